@@ -1,0 +1,41 @@
+"""kvcompose: composable KV-cache compression for long chain-of-thought decoding.
+
+```python
+from kvcompose import KVComposeCache, Pipeline, ProtectPrompt, ProtectValueNorm, RandomDrop, methods
+
+cache = KVComposeCache(model, Pipeline(ProtectPrompt(), ProtectValueNorm(), RandomDrop()), budget=1024)
+model.generate(**inputs, past_key_values=cache)
+```
+"""
+
+from . import methods
+from .allocators import Allocator, Uniform
+from .cache import KVComposeCache, KVComposeLayer, MemoryReport
+from .pipeline import Pipeline, Selection
+from .prefetch import Prefetcher
+from .protectors import Protector, ProtectPrompt, ProtectRecent, ProtectSinks, ProtectValueNorm
+from .scorers import (
+    AccumulatedAttention,
+    KeyNorm,
+    KeyRedundancy,
+    LastQueryAttention,
+    RandomScore,
+    Recency,
+    Scorer,
+    ValueNorm,
+    WindowedAttention,
+)
+from .selectors import RandomDrop, Sample, Selector, TopK
+from .tiers import Evict, TierStore
+from .view import KVComposeError, LayerView
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVComposeCache", "KVComposeLayer", "MemoryReport", "Pipeline", "Selection", "LayerView", "KVComposeError",
+    "Scorer", "AccumulatedAttention", "WindowedAttention", "KeyRedundancy", "ValueNorm", "KeyNorm",
+    "LastQueryAttention", "Recency", "RandomScore",
+    "Protector", "ProtectPrompt", "ProtectSinks", "ProtectRecent", "ProtectValueNorm",
+    "Selector", "TopK", "Sample", "RandomDrop",
+    "Allocator", "Uniform", "TierStore", "Evict", "Prefetcher", "methods",
+]

@@ -1,0 +1,52 @@
+"""Reasoning-time methods (decode-time compression for long chain-of-thought) as presets."""
+
+from __future__ import annotations
+
+from ..pipeline import Pipeline
+from ..protectors import ProtectPrompt, ProtectRecent, ProtectValueNorm
+from ..scorers import KeyRedundancy, WindowedAttention
+from ..selectors import RandomDrop, Sample, TopK
+
+
+def rkv(window: int = 8, lam: float = 0.1, threshold: float = 0.5, kernel: int = 7) -> Pipeline:
+    """R-KV: importance minus redundancy, top-(B - 8) per KV head plus the 8 newest tokens.
+
+    Cai et al., "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models", arXiv 2505.24133
+    (Zefan-Cai/R-KV). Importance: the last 8 queries, logits maxed over the GQA group before softmax,
+    softmax over the candidates (the window excluded), mean over queries, max-pool kernel 7.
+    Redundancy: cosine similarity of candidate keys, threshold 0.5, newest duplicate exempt, column
+    means, softmax. Score = lam * importance - (1 - lam) * redundancy with lam = 0.1 (README).
+    Use `KVComposeCache(..., interval=128)` for R-KV's own schedule.
+    """
+    importance = WindowedAttention(window, gqa="max", pool="max", kernel=kernel, exclude_recent=window)
+    redundancy = KeyRedundancy(threshold, exclude_recent=window)
+    return Pipeline(
+        ProtectRecent(window), lam * importance - (1.0 - lam) * redundancy, TopK(),
+        name=f"rkv(lam={lam})",
+    )
+
+
+def random_attention(recent: int = 64) -> Pipeline:
+    """Random Attention: keep the prompt (inside the budget) and the newest 64 tokens; drop the rest
+    uniformly at random, independently per row, layer and KV head, redrawn at every eviction.
+
+    SalesforceAIResearch/Random-Attention. Defaults: 64 recent tokens; the prompt is protected up to the
+    room the recent window leaves (K - 64).
+    """
+    return Pipeline(ProtectRecent(recent), ProtectPrompt(), RandomDrop(), name="random_attention")
+
+
+def vase(protect: float = 0.25, recent: int = 64, window: int = 64, sinks: int = 4, kernel: int = 5) -> Pipeline:
+    """VaSE: 4 sinks + the budget/4 tokens of largest value range protected, the newest 64 kept, and the
+    rest sampled without replacement in proportion to smoothed attention of the last 64 queries.
+
+    terarachang/VaSE. Attention: softmax over candidates, mean over 64 queries, average pool kernel 5,
+    mean over the GQA group. Value range: max(v) - min(v) over the head dim, sinks infinite.
+    """
+    return Pipeline(
+        ProtectRecent(recent),
+        ProtectValueNorm(protect, kind="range", sinks=sinks, exclude_recent=recent),
+        WindowedAttention(window, gqa="mean", pool="avg", kernel=kernel, exclude_recent=recent),
+        Sample(),
+        name="vase",
+    )

@@ -1,0 +1,172 @@
+"""Protectors: `LayerView -> Bool[B, H, T]`, True = the token must stay in HBM.
+
+Protected tokens count inside the budget. Each protector states an upper bound on how many tokens it
+protects (`max_count(budget)`), so a `Pipeline` can refuse, before any decoding, a set of protectors
+that could not fit. `ProtectPrompt` is the exception by design: it protects the prompt only up to the
+room the other protectors leave (`room`), keeping the first `sinks` and the newest prompt tokens when
+the prompt is longer than that room, so protection always leaves space for recent tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from jaxtyping import Bool
+from torch import Tensor
+
+from .kernels import value_magnitude
+from .view import KVComposeError, LayerView
+
+__all__ = ["Protector", "ProtectPrompt", "ProtectSinks", "ProtectRecent", "ProtectValueNorm", "resolve_count"]
+
+
+def resolve_count(n: int | float, budget: int) -> int:
+    """An absolute count (int) or a share of the budget (float in (0, 1])."""
+    if isinstance(n, float):
+        return int(n * budget)
+    return int(n)
+
+
+def _check_count(n: int | float, name: str) -> None:
+    if isinstance(n, bool) or not isinstance(n, (int, float)):
+        raise KVComposeError(f"{name}: count must be an int or a float share of the budget, got {n!r}")
+    if isinstance(n, float) and not 0.0 < n <= 1.0:
+        raise KVComposeError(f"{name}: a float count is a share of the budget and must be in (0, 1], got {n}")
+    if isinstance(n, int) and n < 0:
+        raise KVComposeError(f"{name}: count must be >= 0, got {n}")
+
+
+def _rank_mask(order_key: Tensor, count: int, eligible: Bool[Tensor, "B H T"]) -> Bool[Tensor, "B H T"]:
+    """True for the `count` eligible tokens with the largest `order_key` in each (row, head)."""
+    t = order_key.shape[-1]
+    count = min(count, t)
+    if count <= 0:
+        return torch.zeros_like(eligible)
+    key = order_key.float().masked_fill(~eligible, float("-inf"))
+    idx = key.topk(count, dim=-1).indices
+    out = torch.zeros_like(eligible)
+    out.scatter_(-1, idx, True)
+    return out & eligible
+
+
+class Protector:
+    """Base class. `__call__(view, budget, room)` returns the keep mask; `max_count(budget)` bounds its size."""
+
+    def max_count(self, budget: int) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def protect(self, view: LayerView, budget: int, room: int) -> Bool[Tensor, "B H T"]:  # pragma: no cover
+        raise NotImplementedError
+
+    def __call__(self, view: LayerView, budget: int, room: int | None = None) -> Bool[Tensor, "B H T"]:
+        mask = self.protect(view, budget, budget if room is None else room)
+        if mask.shape != view.valid.shape or mask.dtype != torch.bool:
+            raise KVComposeError(f"{type(self).__name__} must return a bool mask of shape {tuple(view.valid.shape)}")
+        return mask & view.valid
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
+class ProtectSinks(Protector):
+    """Keep the first `n` tokens of the sequence (attention sinks).
+
+    Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024 (arXiv 2309.17453):
+    4 sinks. With left padding, the sinks are the first `n` *valid* tokens of each row.
+    """
+
+    def __init__(self, n: int = 4):
+        _check_count(n, "ProtectSinks")
+        self.n = n
+
+    def max_count(self, budget: int) -> int:
+        return resolve_count(self.n, budget)
+
+    def protect(self, view, budget, room):
+        return _rank_mask(-view.positions, self.max_count(budget), view.valid)
+
+
+class ProtectRecent(Protector):
+    """Keep the newest `n` tokens (int) or a share of the budget (float); every reference counts this
+    recent window inside the budget (R-KV 8, SnapKV 32, VaSE / Random Attention 64)."""
+
+    def __init__(self, n: int | float = 64):
+        _check_count(n, "ProtectRecent")
+        self.n = n
+
+    def max_count(self, budget: int) -> int:
+        return resolve_count(self.n, budget)
+
+    def protect(self, view, budget, room):
+        return _rank_mask(view.positions, self.max_count(budget), view.valid)
+
+
+class ProtectPrompt(Protector):
+    """Keep the prompt (the tokens of the first forward call), inside the budget.
+
+    Random Attention (SalesforceAIResearch/Random-Attention) keeps the prompt (up to K-1 tokens) and finds
+    the prompt is the fragile part of a reasoning trace. The prompt is protected only up to the room the
+    other protectors of the pipeline leave (`room`, minus `leave`); a longer prompt keeps its first `sinks`
+    tokens and its newest ones, since the question usually ends the prompt.
+
+    Args:
+        limit: at most this many prompt tokens (int) or this share of the budget (float); None = the room.
+        sinks: tokens at the start of the prompt kept first when the prompt does not fit.
+        leave: slots left free for non-protected tokens when the prompt is longer than the room.
+    """
+
+    def __init__(self, limit: int | float | None = None, sinks: int = 4, leave: int = 0):
+        if limit is not None:
+            _check_count(limit, "ProtectPrompt")
+        if sinks < 0 or leave < 0:
+            raise KVComposeError("ProtectPrompt: sinks and leave must be >= 0")
+        self.limit, self.sinks, self.leave = limit, sinks, leave
+
+    def max_count(self, budget: int) -> int:
+        return 0  # adaptive: fills only the room others leave (see `protect`)
+
+    def protect(self, view, budget, room):
+        cap = max(room - self.leave, 0)
+        if self.limit is not None:
+            cap = min(cap, resolve_count(self.limit, budget))
+        prompt = view.is_prompt & view.valid
+        if int(prompt.sum(-1).max()) <= cap:
+            return prompt
+        n_sinks = min(self.sinks, cap)
+        first = _rank_mask(-view.positions, n_sinks, prompt)
+        last = _rank_mask(view.positions, cap - n_sinks, prompt & ~first)
+        return first | last
+
+
+class ProtectValueNorm(Protector):
+    """Keep the `k` tokens of largest value magnitude (VaSE: k = budget/4 by value range, the 4 sinks
+    counted as infinitely large and so always inside the k).
+
+    Args:
+        k: count (int) or share of the budget (float, VaSE 0.25).
+        kind: "range" (max - min over the head dim, VaSE) or "l2".
+        sinks: first tokens treated as infinitely large (VaSE: 4).
+        exclude_recent: newest tokens that are not candidates (VaSE protects among all but the newest 64,
+            which are kept anyway).
+    """
+
+    def __init__(self, k: int | float = 0.25, kind: Literal["range", "l2"] = "range", sinks: int = 4,
+                 exclude_recent: int = 0):
+        _check_count(k, "ProtectValueNorm")
+        if kind not in ("range", "l2"):
+            raise KVComposeError(f"ProtectValueNorm: kind must be 'range' or 'l2', got {kind!r}")
+        self.k, self.kind, self.sinks, self.exclude_recent = k, kind, sinks, exclude_recent
+
+    def max_count(self, budget: int) -> int:
+        return resolve_count(self.k, budget)
+
+    def protect(self, view, budget, room):
+        mag = value_magnitude(view.values, self.kind)
+        valid = view.valid
+        rank = torch.argsort(torch.argsort(view.positions.masked_fill(~valid, 2**62), dim=-1), dim=-1)
+        mag = mag.masked_fill((rank < self.sinks) & valid, float("inf"))
+        eligible = valid
+        if self.exclude_recent:
+            eligible = eligible & (view.positions < view.seen - self.exclude_recent)
+        return _rank_mask(mag, self.max_count(budget), eligible)

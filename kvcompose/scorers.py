@@ -1,0 +1,345 @@
+"""Scorers: `LayerView -> Float[B, H, T]`, higher = more worth keeping.
+
+Scorers combine with arithmetic: `0.1 * Importance() - 0.9 * Redundancy()` is a scorer too.
+A scorer that needs queries declares `query_window` (the cache keeps that many post-RoPE queries per
+layer in a ring buffer). A scorer that must see every decoding step (H2O's accumulated attention)
+implements `observe`, and keeps its running total as token-aligned state in the layer's cache state,
+never inside the block object.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from .kernels import key_redundancy, value_magnitude, window_attention_scores
+from .view import KVComposeError, LayerView
+
+__all__ = [
+    "Scorer",
+    "AccumulatedAttention",
+    "WindowedAttention",
+    "KeyRedundancy",
+    "ValueNorm",
+    "KeyNorm",
+    "LastQueryAttention",
+    "Recency",
+    "RandomScore",
+]
+
+
+class Scorer:
+    """Base class. Subclasses implement `score(view) -> Float[B, H, T]`.
+
+    Class attributes:
+        query_window: how many recent post-RoPE queries the scorer needs (0: none).
+        observes: True when `observe` must be called at every attention step.
+    """
+
+    query_window: int = 0
+    observes: bool = False
+
+    @property
+    def state_key(self) -> str:
+        """Key of this block's token-aligned state in the layer's cache state."""
+        return f"{type(self).__name__}@{id(self):x}"
+
+    def score(self, view: LayerView) -> Float[Tensor, "B H T"]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __call__(self, view: LayerView) -> Float[Tensor, "B H T"]:
+        s = self.score(view)
+        b, h, t = view.shape
+        if s.shape != (b, h, t):
+            raise KVComposeError(f"{type(self).__name__} returned scores of shape {tuple(s.shape)}, expected {(b, h, t)}")
+        return s.float()
+
+    def observe(
+        self,
+        state: Float[Tensor, "B H T"] | None,
+        queries: Float[Tensor, "B Hq Q D"],
+        keys: Float[Tensor, "B H T D"],
+        mask: Bool[Tensor, "B H Q T"],
+        scale: float,
+    ) -> Float[Tensor, "B H T"] | None:
+        """Update this scorer's running state after an attention step (only if `observes`)."""
+        return state
+
+    def blocks(self) -> list["Scorer"]:
+        """This scorer and, for a combination, all its parts."""
+        return [self]
+
+    # arithmetic -------------------------------------------------------------------------------
+    def __add__(self, other: "Scorer | float") -> "Scorer":
+        return Combined.of(self, 1.0) + other
+
+    def __radd__(self, other: "Scorer | float") -> "Scorer":
+        return self + other
+
+    def __sub__(self, other: "Scorer | float") -> "Scorer":
+        return self + (-1.0) * other
+
+    def __rsub__(self, other: "Scorer | float") -> "Scorer":
+        return (-1.0) * self + other
+
+    def __mul__(self, weight: float) -> "Scorer":
+        if not isinstance(weight, (int, float)):
+            raise KVComposeError("a scorer can only be scaled by a number")
+        return Combined(((self, float(weight)),), 0.0)
+
+    def __rmul__(self, weight: float) -> "Scorer":
+        return self * weight
+
+    def __neg__(self) -> "Scorer":
+        return self * -1.0
+
+    def __repr__(self) -> str:
+        fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
+
+class Combined(Scorer):
+    """A weighted sum of scorers plus a constant: `sum_i w_i * s_i(view) + c`."""
+
+    def __init__(self, terms: tuple[tuple[Scorer, float], ...], constant: float = 0.0):
+        self.terms = terms
+        self.constant = constant
+
+    @staticmethod
+    def of(s: Scorer, w: float) -> "Combined":
+        return s if isinstance(s, Combined) and w == 1.0 else Combined(((s, w),), 0.0)
+
+    @property
+    def query_window(self) -> int:  # type: ignore[override]
+        return max((s.query_window for s, _ in self.terms), default=0)
+
+    def blocks(self) -> list[Scorer]:
+        return [b for s, _ in self.terms for b in s.blocks()]
+
+    def __add__(self, other: "Scorer | float") -> "Scorer":
+        if isinstance(other, (int, float)):
+            return Combined(self.terms, self.constant + float(other))
+        if not isinstance(other, Scorer):
+            return NotImplemented
+        o = Combined.of(other, 1.0)
+        return Combined(self.terms + o.terms, self.constant + o.constant)
+
+    def __mul__(self, weight: float) -> "Scorer":
+        if not isinstance(weight, (int, float)):
+            raise KVComposeError("a scorer can only be scaled by a number")
+        return Combined(tuple((s, w * weight) for s, w in self.terms), self.constant * weight)
+
+    def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
+        total = torch.full(view.shape, self.constant, dtype=torch.float32, device=view.keys.device)
+        for s, w in self.terms:
+            total = total + w * s(view)
+        return total
+
+    def __repr__(self) -> str:
+        parts = [f"{w:g} * {s!r}" for s, w in self.terms]
+        if self.constant:
+            parts.append(f"{self.constant:g}")
+        return " + ".join(parts)
+
+
+def _causal_mask(
+    key_pos: Int[Tensor, "B H T"], key_valid: Bool[Tensor, "B H T"], query_pos: Int[Tensor, " Q"]
+) -> Bool[Tensor, "B H Q T"]:
+    return (key_pos[:, :, None, :] <= query_pos[None, None, :, None]) & key_valid[:, :, None, :]
+
+
+class AccumulatedAttention(Scorer):
+    """H2O's heavy-hitter score: the sum of softmax attention each token received from every query so far.
+
+    Paper: Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs", NeurIPS 2023
+    (arXiv 2306.14048). Per KV head, attention is summed over its query-head group and over all queries
+    (prefill included). Also the cumulative-attention ranking of the memory-hierarchy paper.
+
+    Args:
+        normalize: divide the total by the number of queries that could see the token (reduces the bias
+            towards old tokens); default False, as in H2O.
+    """
+
+    observes = True
+
+    def __init__(self, normalize: bool = False):
+        self.normalize = normalize
+
+    def observe(self, state, queries, keys, mask, scale):
+        b, hq, q, d = queries.shape
+        h = keys.shape[1]
+        g = hq // h
+        qg = queries.reshape(b, h, g * q, d).float()
+        logits = torch.einsum("bhqd,bhtd->bhqt", qg, keys.float()) * scale
+        m = mask[:, :, None].expand(b, h, g, q, mask.shape[-1]).reshape(b, h, g * q, -1)
+        logits = logits.masked_fill(~m, float("-inf"))
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        add = probs.sum(dim=2)
+        if state is None or state.shape != add.shape:
+            base = torch.zeros_like(add) if state is None else state
+            if base.shape != add.shape:
+                raise KVComposeError("accumulated-attention state out of step with the cache")
+            state = base
+        if self.normalize:
+            return state + add / g
+        return state + add
+
+    def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
+        acc = view.state.get(self.state_key)
+        if acc is None:
+            return torch.zeros(view.shape, device=view.keys.device)
+        if self.normalize:
+            count = (view.seen - view.positions).clamp(min=1).float()
+            return acc / count
+        return acc
+
+
+class WindowedAttention(Scorer):
+    """Attention from the last `window` queries, with a GQA reduction and 1-D pooling.
+
+    SnapKV (Li et al., arXiv 2404.14469): window 32, softmax per query head, mean over the group, average
+    pooling with kernel 5. R-KV (Cai et al., arXiv 2505.24133): window 8, max over the GQA group of the
+    logits *before* softmax, softmax over the candidate keys (the window's own tokens excluded), max pooling
+    with kernel 7. VaSE: window 64, mean over the group, average pooling kernel 5.
+
+    Args:
+        window: number of most recent queries (W).
+        gqa: "mean" (softmax per query head, then mean over the group) or "max" (max of logits before softmax).
+        pool: "avg", "max" or "none"; kernel: pooling width (odd).
+        exclude_recent: the newest `exclude_recent` tokens are not candidates: excluded from the softmax and
+            scored 0 (R-KV excludes its 8-token window; they are protected anyway).
+    """
+
+    def __init__(
+        self,
+        window: int = 32,
+        gqa: Literal["mean", "max"] = "mean",
+        pool: Literal["avg", "max", "none"] = "avg",
+        kernel: int = 5,
+        exclude_recent: int = 0,
+    ):
+        if window <= 0:
+            raise KVComposeError(f"window must be positive, got {window}")
+        if gqa not in ("mean", "max"):
+            raise KVComposeError(f"gqa must be 'mean' or 'max', got {gqa!r}")
+        if pool not in ("avg", "max", "none"):
+            raise KVComposeError(f"pool must be 'avg', 'max' or 'none', got {pool!r}")
+        if kernel <= 0 or kernel % 2 == 0:
+            raise KVComposeError(f"pooling kernel must be a positive odd number, got {kernel}")
+        if exclude_recent < 0:
+            raise KVComposeError("exclude_recent must be >= 0")
+        self.window, self.gqa, self.pool, self.kernel, self.exclude_recent = window, gqa, pool, kernel, exclude_recent
+
+    @property
+    def query_window(self) -> int:  # type: ignore[override]
+        return self.window
+
+    def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
+        if view.queries is None or view.queries.shape[2] == 0:
+            return torch.zeros(view.shape, device=view.keys.device)
+        q = view.queries[:, :, -self.window :]
+        qpos = view.query_positions[-self.window :]
+        qvalid = view.query_valid[:, -self.window :]
+        candidates = None
+        if self.exclude_recent:
+            candidates = view.positions < (view.seen - self.exclude_recent)
+        return window_attention_scores(
+            q, view.keys, view.positions, view.valid, qpos, qvalid, view.scale,
+            gqa=self.gqa, candidates=candidates, pool=self.pool, kernel=self.kernel,
+        )
+
+
+class KeyRedundancy(Scorer):
+    """R-KV's redundancy: how much a token's key repeats other keys (higher = more redundant).
+
+    Per KV head: cosine similarity of the candidate keys, diagonal zeroed; for each row the most recent
+    column above `threshold` is zeroed (the newest duplicate escapes); column means; softmax over tokens.
+    Use it with a negative weight: `0.1 * importance - 0.9 * KeyRedundancy()` (R-KV, arXiv 2505.24133).
+
+    Args:
+        threshold: similarity above which two keys count as duplicates (R-KV: 0.5).
+        exclude_recent: newest tokens left out of the candidate set (scored 0).
+    """
+
+    def __init__(self, threshold: float = 0.5, exclude_recent: int = 0):
+        if not -1.0 <= threshold <= 1.0:
+            raise KVComposeError(f"threshold must be a cosine similarity in [-1, 1], got {threshold}")
+        self.threshold, self.exclude_recent = threshold, exclude_recent
+
+    def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
+        cand = view.valid
+        if self.exclude_recent:
+            cand = cand & (view.positions < view.seen - self.exclude_recent)
+        return key_redundancy(view.keys, cand, self.threshold)
+
+
+class ValueNorm(Scorer):
+    """Value magnitude per token: `max(v) - min(v)` over the head dim (VaSE) or the L2 norm.
+
+    VaSE (terarachang/VaSE): large-magnitude values carry the attention output; they are protected.
+
+    Args:
+        kind: "range" (VaSE) or "l2".
+    """
+
+    def __init__(self, kind: Literal["range", "l2"] = "range"):
+        if kind not in ("range", "l2"):
+            raise KVComposeError(f"kind must be 'range' or 'l2', got {kind!r}")
+        self.kind = kind
+
+    def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
+        return value_magnitude(view.values, self.kind)
+
+
+class KeyNorm(Scorer):
+    """Negative L2 norm of the key: low-norm keys draw more attention and are kept.
+
+    Devoto et al., "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression", EMNLP 2024
+    (arXiv 2406.11430); kvpress's KnormPress.
+    """
+
+    def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
+        return -view.keys.float().norm(dim=-1)
+
+
+class LastQueryAttention(Scorer):
+    """TOVA: the attention of the newest query, averaged over all heads (one keep-set per layer).
+
+    Oren et al., "Transformers are Multi-State RNNs", arXiv 2401.06104.
+
+    Args:
+        per_head: keep a separate set per KV head (mean over its query group) instead of TOVA's shared set.
+    """
+
+    query_window = 1
+
+    def __init__(self, per_head: bool = False):
+        self.per_head = per_head
+
+    def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
+        if view.queries is None or view.queries.shape[2] == 0:
+            return torch.zeros(view.shape, device=view.keys.device)
+        s = window_attention_scores(
+            view.queries[:, :, -1:], view.keys, view.positions, view.valid,
+            view.query_positions[-1:], view.query_valid[:, -1:], view.scale, gqa="mean", pool="none",
+        )
+        if not self.per_head:
+            s = s.mean(dim=1, keepdim=True).expand_as(s)
+        return s
+
+
+class Recency(Scorer):
+    """The token's position: with `TopK` it keeps the most recent tokens (StreamingLLM's window)."""
+
+    def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
+        return view.positions.float()
+
+
+class RandomScore(Scorer):
+    """Independent uniform random scores per row, KV head and token, drawn from the layer's generator."""
+
+    def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
+        return torch.rand(view.shape, generator=view.generator, device="cpu").to(view.keys.device)

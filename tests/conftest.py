@@ -1,0 +1,21 @@
+"""Test setup: Triton runs in its CPU interpreter when there is no GPU (set before any @triton.jit import),
+and every kvcompose module is type- and shape-checked by jaxtyping + beartype."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from jaxtyping import install_import_hook  # noqa: E402
+
+with install_import_hook("kvcompose", "beartype.beartype"):
+    import kvcompose  # noqa: F401,E402
+
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
+settings.register_profile("dev", max_examples=25, deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
