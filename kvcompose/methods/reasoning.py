@@ -14,12 +14,15 @@ def rkv(window: int = 8, lam: float = 0.1, threshold: float = 0.5, kernel: int =
     Cai et al., "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models", arXiv 2505.24133
     (Zefan-Cai/R-KV). Importance: the last 8 queries, logits maxed over the GQA group before softmax,
     softmax over the candidates (the window excluded), mean over queries, max-pool kernel 7.
-    Redundancy: cosine similarity of candidate keys, threshold 0.5, newest duplicate exempt, column
-    means, softmax. Score = lam * importance - (1 - lam) * redundancy with lam = 0.1 (README).
+    Redundancy: cosine similarity of all held keys (as the reference computes it, window included),
+    threshold 0.5, newest duplicate exempt, column means, softmax. Score = lam * importance -
+    (1 - lam) * redundancy with lam = 0.1 (README; the reference class default is 0.07).
+    Deviation: for a key with no duplicate above the threshold the reference zeroes its similarity to
+    slot 0 (an artifact of `max(arange * mask)` returning 0); we leave that row untouched.
     Use `KVComposeCache(..., interval=128)` for R-KV's own schedule.
     """
     importance = WindowedAttention(window, gqa="max", pool="max", kernel=kernel, exclude_recent=window)
-    redundancy = KeyRedundancy(threshold, exclude_recent=window)
+    redundancy = KeyRedundancy(threshold)
     return Pipeline(
         ProtectRecent(window), lam * importance - (1.0 - lam) * redundancy, TopK(),
         name=f"rkv(lam={lam})",
@@ -36,7 +39,7 @@ def random_attention(recent: int = 64) -> Pipeline:
     return Pipeline(ProtectRecent(recent), ProtectPrompt(), RandomDrop(), name="random_attention")
 
 
-def vase(protect: float = 0.25, recent: int = 64, window: int = 64, sinks: int = 4, kernel: int = 5) -> Pipeline:
+def vase(protect: int | float = 0.25, recent: int = 64, window: int = 64, sinks: int = 4, kernel: int = 5) -> Pipeline:
     """VaSE: 4 sinks + the budget/4 tokens of largest value range protected, the newest 64 kept, and the
     rest sampled without replacement in proportion to smoothed attention of the last 64 queries.
 
