@@ -9,8 +9,9 @@ model.generate(**inputs, past_key_values=cache)
 """
 
 from . import methods
-from .allocators import Allocator, Uniform
+from .allocators import Allocator, GrowPage, HeadUtility, Pyramid, ReasoningWave, Uniform
 from .cache import KVComposeCache, KVComposeLayer, MemoryReport
+from .branch import BranchCache, BranchMemory
 from .pipeline import Pipeline, Selection
 from .prefetch import Prefetcher
 from .protectors import Protector, ProtectPrompt, ProtectRecent, ProtectSinks, ProtectValueNorm
@@ -26,7 +27,7 @@ from .scorers import (
     WindowedAttention,
 )
 from .selectors import RandomDrop, Sample, Selector, TopK
-from .tiers import Evict, TierStore
+from .tiers import CompressedTier, Evict, Hierarchy, HostTier, TierStore, TierTokens
 from .view import KVComposeError, LayerView
 
 __version__ = "0.1.0"
@@ -38,4 +39,7 @@ __all__ = [
     "Protector", "ProtectPrompt", "ProtectSinks", "ProtectRecent", "ProtectValueNorm",
     "Selector", "TopK", "Sample", "RandomDrop",
     "Allocator", "Uniform", "TierStore", "Evict", "Prefetcher", "methods",
+    "Pyramid", "ReasoningWave", "HeadUtility", "GrowPage",
+    "HostTier", "CompressedTier", "Hierarchy", "TierTokens",
+    "BranchCache", "BranchMemory",
 ]

@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import attention as _attn
 from .pipeline import Pipeline, Selection
+from .tiers import TierTokens
 from .view import KVComposeError, LayerView
 
 __all__ = ["KVComposeCache", "KVComposeLayer", "MemoryReport", "SUPPORTED_MODEL_TYPES"]
@@ -102,6 +103,7 @@ class KVComposeLayer(CacheLayerMixin):
         self._k = self._v = self._pos = self._valid = None
         self.token_state: dict[str, Tensor] = {}
         self.tier_state: dict[str, Any] = {}
+        self._merged = None  # hot + tier tokens of the current step (kvcompose.prefetch.Merged)
         self.q_buf = self.q_pos = self.q_valid = None
         self.generator: torch.Generator | None = None
         self.peak_held_bytes = 0
@@ -209,24 +211,31 @@ class KVComposeLayer(CacheLayerMixin):
         keys, values, pos, valid = self.attention_set()
         mask = _attn.build_mask(pos, valid, qpos, sliding_window)
         out = _attn.attend(query, keys, values, mask, scale)
+        merged = self._merged
         for s in self.cache.pipeline.observers():
-            held_mask = mask[..., : self.held] if keys.shape[2] != self.held else mask
             st = self.token_state.get(s.state_key)
             cur = None if st is None else st[:, :, : self.held]
-            new = s.observe(cur, query, self.keys, held_mask, scale)
+            if merged is not None:  # observers see every attended token, wherever it lives
+                zeros = torch.zeros(self.positions.shape, dtype=torch.float32, device=self.device)
+                cur = merged.merge_state(zeros if cur is None else cur, s.state_key)
+            new = s.observe(cur, query, keys, mask, scale)
             if st is None:
                 st = torch.zeros(self._pos.shape, dtype=torch.float32, device=self.device)
                 self.token_state[s.state_key] = st
+            if merged is not None:
+                new = merged.write_back(self.cache.pipeline.tier, self.tier_state, s.state_key, new)
             st[:, :, : self.held] = new
         self._schedule(q)
+        self._merged = None  # fetched copies are not kept between steps
         return out
 
     def attention_set(self):
         """Held tokens plus any tokens a tier brings back, in original order: (keys, values, positions, valid)."""
-        fetched = self.cache.pipeline.tier.fetch(self.tier_state) if self.cache.pipeline.tier.holds_tokens else None
-        if fetched is None:
+        self._merged = self.cache.prefetcher.gather(self)
+        if self._merged is None:
             return self.keys, self.values, self.positions, self.valid
-        return self.cache.prefetcher.merge(self, fetched)
+        m = self._merged
+        return m.keys, m.values, m.positions, m.valid
 
     def _record_queries(self, query: Tensor, qpos: Tensor, qvalid: Tensor) -> None:
         w = self.cache.query_window
@@ -240,22 +249,27 @@ class KVComposeLayer(CacheLayerMixin):
             self.q_valid = torch.cat([self.q_valid, qvalid], dim=1)[:, -w:]
 
     # -- compression ------------------------------------------------------------------------------
-    def view(self) -> LayerView:
-        """A snapshot of this layer for the pipeline's blocks."""
+    def view(self, merged=None) -> LayerView:
+        """A snapshot of this layer for the pipeline's blocks: the HBM tokens, or with `merged` (a
+        `kvcompose.prefetch.Merged`) every non-evicted token, HBM and tiers, in position order."""
+        state = {k: v[:, :, : self.held] for k, v in self.token_state.items()}
+        if merged is not None:
+            state = {k: merged.merge_state(v, k) for k, v in state.items()}
+        src = self if merged is None else merged
         return LayerView(
             layer_idx=self.layer_idx,
             num_layers=len(self.cache.layers),
-            keys=self.keys,
-            values=self.values,
-            positions=self.positions,
-            valid=self.valid,
+            keys=src.keys,
+            values=src.values,
+            positions=src.positions,
+            valid=src.valid,
             prompt_length=self.prompt_length,
             queries=self.q_buf,
             query_positions=self.q_pos,
             query_valid=self.q_valid,
             seen=self.seen,
             scale=getattr(self, "scale", self.head_dim**-0.5),
-            state={k: v[:, :, : self.held] for k, v in self.token_state.items()},
+            state=state,
             generator=self.generator,
             event=self.events,
         )
@@ -280,28 +294,59 @@ class KVComposeLayer(CacheLayerMixin):
         if int(self.valid.sum(-1).max()) > budget or self.held >= budget + cache.interval:
             self.compress()
 
+    def candidates(self):
+        """For a tier that holds tokens: every non-evicted token (HBM + tiers) merged by position, reusing
+        this step's fetch when it is still current; None when only HBM holds tokens."""
+        tier = self.cache.pipeline.tier
+        if not tier.holds_tokens:
+            return None
+        m = self._merged
+        if m is None or m.stamp != (self.seen, self.held, tier.version(self.tier_state)):
+            m = self.cache.prefetcher.gather(self)
+        return m
+
     def compress(self) -> Selection:
-        """Run the pipeline once on this layer and keep only what it selects."""
+        """Run the pipeline once on this layer and keep only what it selects.
+
+        The candidates are all non-evicted tokens (see `candidates`); the tier store receives every
+        candidate not kept in HBM and replaces its content (promotion and demotion at every event)."""
         cache = self.cache
-        sel = cache.pipeline.select(self.view(), cache.layer_budget(self.layer_idx))
+        tier = cache.pipeline.tier
+        merged = self.candidates()
+        view = self.view(merged)
+        sel = cache.pipeline.select(view, cache.layer_budget(self.layer_idx))
         kept = sel.kept
-        if (kept < 0).any():
-            raise KVComposeError(
-                f"{cache.pipeline.allocator!r} gave heads of layer {self.layer_idx} different budgets; "
-                "dense per-layer storage needs one budget per layer"
-            )
+        if (kept < 0).any():  # unequal per-head budgets: this layer moves onto ragged paged storage
+            from .storage import RaggedLayer
+
+            return RaggedLayer.adopt(self).apply_selection(sel)
         k = kept.shape[-1]
-        if cache.pipeline.tier.holds_tokens:
-            drop = torch.ones_like(self.valid)
+        if tier.holds_tokens:
+            drop = torch.ones_like(view.valid)
             drop.scatter_(-1, kept, False)
-            n_drop = self.held - k
+            n_drop = view.valid.shape[-1] - k
             didx = torch.sort(drop.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :n_drop]
             didx = didx.sort(dim=-1).values
-            cache.pipeline.tier.store(
+            tier.store(
                 self.tier_state,
-                _gather(self.keys, didx), _gather(self.values, didx), self.positions.gather(-1, didx),
+                TierTokens(_gather(view.keys, didx), _gather(view.values, didx), view.positions.gather(-1, didx),
+                           view.valid.gather(-1, didx), {n: s.gather(-1, didx) for n, s in view.state.items()}),
                 None if sel.scores is None else sel.scores.gather(-1, didx),
+                self.seen,
+                k,
             )
+        if merged is not None:
+            if k > self.capacity:
+                self._resize(max(k, cache.target_capacity(self.layer_idx)))
+            self._k[:, :, :k] = _gather(view.keys, kept)
+            self._v[:, :, :k] = _gather(view.values, kept)
+            self._pos[:, :, :k] = view.positions.gather(-1, kept)
+            self._valid[:, :, :k] = view.valid.gather(-1, kept)
+            for name, v in self.token_state.items():
+                v[:, :, :k] = view.state[name].gather(-1, kept)
+            self.held = k
+            self._merged = None
+            return self._after_compress(sel)
         from .kernels import compact
 
         compact(self._k[:, :, : self.held], self._v[:, :, : self.held], kept,
@@ -311,8 +356,11 @@ class KVComposeLayer(CacheLayerMixin):
         for v in self.token_state.values():
             v[:, :, :k] = v[:, :, : self.held].gather(-1, kept)
         self.held = k
+        return self._after_compress(sel)
+
+    def _after_compress(self, sel: Selection) -> Selection:
         self.events += 1
-        target = cache.target_capacity(self.layer_idx)
+        target = self.cache.target_capacity(self.layer_idx)
         if self.capacity > target:
             self._resize(target)
         return sel
@@ -467,26 +515,45 @@ class KVComposeCache(Cache):
         _attn.register()
         if getattr(model.config, "_attn_implementation", None) != _attn.ATTN_IMPLEMENTATION:
             model.set_attn_implementation(_attn.ATTN_IMPLEMENTATION)
-        super().__init__(layers=[KVComposeLayer(self, i) for i in range(self.num_layers)])
+        layer_cls = KVComposeLayer
+        if not pipeline.allocator.uniform_per_layer:  # per-head / per-request budgets: ragged paged storage
+            from .storage import RaggedLayer
+
+            layer_cls = RaggedLayer.for_pipeline(pipeline)
+        if pipeline.compresses:
+            heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            pipeline.allocator.check(pipeline, budget, self.num_layers, heads)
+        super().__init__(layers=[layer_cls(self, i) for i in range(self.num_layers)])
 
     # -- budgets ----------------------------------------------------------------------------------
     def layer_budget(self, layer_idx: int) -> int:
-        """The token budget of one layer (the allocator may vary it by layer)."""
+        """The token budget of one layer (the allocator may vary it by layer). A `budget_free` tier or
+        allocator derives it from the tokens the layer has seen: `hbm_budget(seen, budget) -> int`."""
+        budget = self.budget
+        for part in (self.pipeline.tier, self.pipeline.allocator):
+            if getattr(part, "budget_free", False) and hasattr(part, "hbm_budget"):
+                budget = part.hbm_budget(self.layers[layer_idx].seen, budget)
         fn = getattr(self.pipeline.allocator, "layer_budget", None)
-        return fn(layer_idx, self.num_layers, self.budget) if fn is not None else self.budget
+        return fn(layer_idx, self.num_layers, budget) if fn is not None else budget
 
     def target_capacity(self, layer_idx: int) -> int:
         """Buffer slots a layer keeps allocated: its budget plus one interval of growth."""
-        if self.budget is None or not self.pipeline.compresses:
+        budget_free = any(getattr(p, "budget_free", False) for p in (self.pipeline.tier, self.pipeline.allocator))
+        if (self.budget is None and not budget_free) or not self.pipeline.compresses:
             return 0
         return self.layer_budget(layer_idx) + self.interval
 
     # -- public helpers ---------------------------------------------------------------------------
     def kept_positions(self, layer_idx: int) -> Int[Tensor, "B H K"]:
-        """Original positions of the tokens a layer holds in HBM, `[batch, kv_heads, kept]`, ascending."""
+        """Original positions of the tokens a layer holds in HBM, `[batch, kv_heads, kept]`, ascending.
+
+        On ragged storage (per-head budgets, `kvcompose.storage.RaggedLayer`) heads hold different counts:
+        `kept` is the largest, and each shorter head's row ends with -1 padding."""
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             raise KVComposeError(f"layer {layer_idx} holds nothing yet")
+        if hasattr(layer, "kept_positions"):  # ragged storage: [B, H, max length], -1 past a head's length
+            return layer.kept_positions()
         return layer.positions.clone()
 
     def held_lengths(self) -> list[int]:

@@ -46,7 +46,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -802,7 +802,10 @@ class RewardTrackingProcessor(LogitsProcessor):
         return scores
 
 
+@runtime_checkable
 class _RewardSource(Protocol):
+    """What the reward consumers read of a `RewardTracker` (runtime-checkable: beartype checks it)."""
+
     def reward_of(self, row: int) -> float: ...
 
     @property

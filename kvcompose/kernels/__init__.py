@@ -12,6 +12,8 @@ CUDA tensors -> Triton when importable, otherwise the reference in
   2404.14469, R-KV, VaSE).
 * :func:`quantize` / :func:`dequantize` / :class:`QTensor` — KIVI group quantization
   (arXiv 2402.02750).
+* :func:`paged_decode_attention` — attention over ragged paged KV storage (unequal
+  per-head lengths), flash-decoding style, GQA folded.
 
 This package imports nothing from the rest of kvcompose.
 """
@@ -26,6 +28,7 @@ from .dispatch import (
     select_backend,
     use_triton,
 )
+from .paged_attention import paged_decode_attention, paged_decode_attention_reference
 from .quant import QTensor, dequantize, quantize
 from .scores import key_redundancy, value_magnitude, window_attention_scores
 
@@ -38,6 +41,8 @@ __all__ = [
     "dequantize",
     "force_reference",
     "key_redundancy",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
     "quantize",
     "ref",
     "select_backend",

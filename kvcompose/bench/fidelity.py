@@ -1,0 +1,680 @@
+"""Fidelity to the full cache: reference traces, teacher forcing through a compressing cache, metrics.
+
+The protocol (what `kvcompose bench fidelity` runs):
+
+1. **Reference traces** (`make_traces`): for each question, a full-cache continuation of the chat prompt,
+   `new_tokens` long. Three kinds:
+   - `"sampled"`: seeded sampling (temperature 0.7, top-p 0.95) with a repetition guard (see
+     `RepetitionGuard`); end-of-sequence and other special tokens are suppressed so every trace has
+     exactly `new_tokens` tokens (after its answer the model goes on writing; that is still its own text).
+   - `"greedy"`: greedy decoding with the same guard.
+   - `"worked"`: natural multi-step text written by people: the question's own GSM8K worked solution, then
+     other GSM8K problems with their worked solutions, chained ("Next problem: ..."), calculator
+     annotations `<<...>>` removed. It is teacher-forced like the others; the model never wrote it.
+2. **Teacher forcing** (`evaluate`): each trace goes through a fresh cache from `make_cache()`: prefill the
+   prompt, then feed the trace in chunks of `chunk` tokens (default: the cache's compression interval).
+   In kvcompose a chunk of `interval` tokens between two compression events is *exactly* the same
+   computation as `interval` one-token decoding steps, because every mask is built from original token
+   positions and the schedule counts decoded tokens: the compression event after a chunk sees the same
+   held tokens, the same query window and the same accumulated statistics as after the last of the
+   one-token steps (tests/test_bench_metrics.py checks this for H2O and SnapKV). Chunks start at decoded
+   count 0, so chunk boundaries fall on every multiple of the interval.
+3. **Metrics**, against one full-cache forward over prompt + trace (cached per trace in this process):
+   top-1 agreement, mean KL(full || method) in nats, perplexity ratio `exp(NLL_method - NLL_full)` of the
+   trace tokens, KL along the trace (mean per position bucket), peak held tokens and peak HBM KV bytes
+   (`cache.memory()`), and a prompt-recall probe: after the trace, a user turn "Restate the original
+   question word for word." and the assistant prefix; the mean per-token log-probability of the original
+   question's tokens under the method's cache minus the same under the full cache.
+
+`free_generation` is the end-to-end check: greedy answers with the full cache and with the method,
+final-number agreement and exact match against GSM8K's `#### <number>`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal
+
+import torch
+from torch import Tensor
+
+from ..view import KVComposeError
+
+__all__ = [
+    "Trace", "TraceScore", "FidelityResult", "FreeGenResult", "FreeGenRow", "RepetitionGuard",
+    "load_questions", "make_traces", "evaluate", "free_generation", "extract_answer", "gsm8k_answer",
+    "kl_divergence", "top1_agreement", "perplexity_ratio", "recall_ids", "teacher_force_logits", "evaluate_trace", "clear_reference_cache",
+    "RECALL_INSTRUCTION",
+]
+
+RECALL_INSTRUCTION = "Restate the original question word for word."
+TraceKind = Literal["sampled", "greedy", "worked"]
+
+
+# ---------------------------------------------------------------------------------------------- data
+@dataclass
+class Trace:
+    """One teacher-forcing item.
+
+    Attributes:
+        id: stable identifier (e.g. `"gsm8k-3/sampled"`).
+        prompt_ids: the chat prompt's token ids (system/user turn and assistant prefix).
+        trace_ids: the continuation to teacher-force (the full-cache reference or worked text).
+        question: the user question.
+        answer: the reference answer text (GSM8K worked solution ending in `#### n`) or None.
+        kind: "sampled", "greedy" or "worked".
+        recall_ids: token ids appended after the trace for the prompt-recall probe (end of the assistant
+            turn, a user turn with `RECALL_INSTRUCTION`, the assistant prefix); empty = no probe.
+        recall_target_ids: the question's token ids, scored after `recall_ids`.
+    """
+
+    id: str
+    prompt_ids: list[int]
+    trace_ids: list[int]
+    question: str
+    answer: str | None
+    kind: str
+    recall_ids: list[int] = field(default_factory=list)
+    recall_target_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Trace":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def load_questions(path: str | os.PathLike, n: int, offset: int = 0) -> list[dict[str, Any]]:
+    """Read `n` records (from `offset`) of a JSONL file with a `question` field (and optional `answer`).
+
+    GSM8K's test split has this format (`{"question": ..., "answer": "... #### 18"}`).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise KVComposeError(
+            f"question file {str(p)!r} not found: pass a JSONL file with a 'question' field per line "
+            "(e.g. GSM8K's test.jsonl) with --data"
+        )
+    if n < 0 or offset < 0:
+        raise KVComposeError(f"n and offset must be >= 0, got n={n}, offset={offset}")
+    out: list[dict[str, Any]] = []
+    with p.open(encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if i < offset or not line.strip():
+                continue
+            if len(out) >= n:
+                break
+            rec = json.loads(line)
+            if "question" not in rec:
+                raise KVComposeError(f"{p}:{i + 1}: record has no 'question' field")
+            out.append({"id": rec.get("id", f"{p.stem}-{i}"), "question": rec["question"], "answer": rec.get("answer")})
+    return out
+
+
+def gsm8k_answer(answer: str | None) -> str | None:
+    """The number after GSM8K's `####` (commas removed), or None."""
+    if not answer or "####" not in answer:
+        return None
+    return _norm_number(answer.split("####")[-1].strip())
+
+
+_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _norm_number(s: str) -> str | None:
+    m = _NUM.findall(s)
+    if not m:
+        return None
+    x = m[-1].replace(",", "")
+    if "." in x:
+        x = x.rstrip("0").rstrip(".")
+    return x
+
+
+def extract_answer(text: str) -> str | None:
+    """The last number in a generated answer (commas removed, trailing zeros of decimals dropped)."""
+    return _norm_number(text)
+
+
+def _clean_worked(answer: str) -> str:
+    """A GSM8K worked solution as plain text: calculator annotations removed, `#### n` -> `The answer is n.`"""
+    text = re.sub(r"<<[^>]*>>", "", answer)
+    if "####" in text:
+        body, final = text.rsplit("####", 1)
+        text = body.rstrip() + f"\nThe answer is {final.strip()}."
+    return text.strip()
+
+
+# -------------------------------------------------------------------------------------- metrics
+def kl_divergence(logp_ref: Tensor, logp: Tensor) -> Tensor:
+    """KL(ref || other) in nats per row, from log-probabilities `[..., V]` (float32 accumulation)."""
+    lr, lo = logp_ref.float(), logp.float()
+    return (lr.exp() * (lr - lo)).sum(-1).clamp_min(0.0)
+
+
+def top1_agreement(logp_ref: Tensor, logp: Tensor) -> Tensor:
+    """1.0 where both distributions put their maximum on the same token, per row."""
+    return (logp_ref.argmax(-1) == logp.argmax(-1)).float()
+
+
+def perplexity_ratio(nll: Iterable[float], nll_ref: Iterable[float]) -> float:
+    """`exp(mean NLL - mean NLL_ref)` over the same tokens: the method's perplexity / the reference's."""
+    a, b = list(nll), list(nll_ref)
+    if len(a) != len(b) or not a:
+        raise KVComposeError(f"perplexity_ratio needs two equally long non-empty lists, got {len(a)} and {len(b)}")
+    return math.exp(sum(a) / len(a) - sum(b) / len(b))
+
+
+# ------------------------------------------------------------------------------------ reference traces
+@dataclass(frozen=True)
+class RepetitionGuard:
+    """Keeps a small model's sampled reference from looping (a looping trace makes every method look good).
+
+    Default: `no_repeat_ngram_size=0` and `repetition_penalty=1.1`, the mild penalty of CTRL (Keskar et al.,
+    2019) that many chat front ends use; `no_repeat_ngram_size` (ban any repeated n-gram) is available but
+    harsher on math text, where phrases legitimately repeat. Both are passed to `model.generate`.
+    """
+
+    repetition_penalty: float = 1.1
+    no_repeat_ngram_size: int = 0
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {}
+        if self.repetition_penalty != 1.0:
+            kw["repetition_penalty"] = self.repetition_penalty
+        if self.no_repeat_ngram_size > 0:
+            kw["no_repeat_ngram_size"] = self.no_repeat_ngram_size
+        return kw
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _prompt_ids(tok, question: str, system: str | None = None) -> list[int]:
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def recall_ids(tok, question: str) -> tuple[list[int], list[int]]:
+    """Token ids of the prompt-recall probe: (end of turn + user turn with the instruction + assistant
+    prefix, the question's tokens). Built with the tokenizer's chat template."""
+    msgs = [{"role": "user", "content": "X"}, {"role": "assistant", "content": "Y"},
+            {"role": "user", "content": RECALL_INSTRUCTION}]
+    full = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    start = full.index("Y") + 1
+    suffix = full[start:]
+    ids = list(tok(suffix, add_special_tokens=False)["input_ids"])
+    target = list(tok(question, add_special_tokens=False)["input_ids"])
+    return ids, target
+
+
+def _special_ids(tok, model) -> list[int]:
+    ids = set(getattr(tok, "all_special_ids", []) or [])
+    eos = model.generation_config.eos_token_id
+    ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(i for i in ids if i is not None and i >= 0)
+
+
+@torch.no_grad()
+def make_traces(
+    model,
+    tok,
+    questions: list[dict[str, Any]],
+    new_tokens: int = 1536,
+    kind: str = "sampled",
+    seed: int = 0,
+    temperature: float = 0.7,
+    top_p: float = 0.95,
+    repetition_guard: RepetitionGuard = RepetitionGuard(),
+    pool: list[dict[str, Any]] | None = None,
+    batch_size: int = 8,
+    system: str | None = None,
+    progress: bool = False,
+) -> list[Trace]:
+    """Full-cache reference traces of `new_tokens` tokens for each question (see the module docstring).
+
+    Args:
+        questions: records with 'question' (and optional 'answer', 'id'), e.g. from `load_questions`.
+        kind: "sampled" (seeded, `temperature`, `top_p`), "greedy", or "worked" (GSM8K worked solutions
+            chained: the question's own, then others from `pool`, default `questions`; needs 'answer').
+        repetition_guard: passed to `generate` for "sampled" and "greedy".
+        batch_size: questions generated together (left padding); the seed is set once per batch.
+    """
+    if kind not in ("sampled", "greedy", "worked"):
+        raise KVComposeError(f"kind must be 'sampled', 'greedy' or 'worked', got {kind!r}")
+    if new_tokens <= 0:
+        raise KVComposeError(f"new_tokens must be positive, got {new_tokens}")
+    if not questions:
+        return []
+    base = []
+    for i, q in enumerate(questions):
+        rid, target = recall_ids(tok, q["question"])
+        base.append(dict(id=f"{q.get('id', i)}/{kind}", prompt_ids=_prompt_ids(tok, q["question"], system),
+                         question=q["question"], answer=q.get("answer"), kind=kind,
+                         recall_ids=rid, recall_target_ids=target))
+    if kind == "worked":
+        return [Trace(trace_ids=_worked_ids(tok, q, pool if pool is not None else questions, new_tokens, seed + i), **b)
+                for i, (q, b) in enumerate(zip(questions, base))]
+
+    from tqdm.auto import tqdm
+
+    device = _device(model)
+    suppress = _special_ids(tok, model)
+    pad_id = model.generation_config.pad_token_id
+    if pad_id is None:
+        pad_id = suppress[0] if suppress else 0
+    traces: list[Trace] = []
+    batches = [list(range(s, min(s + batch_size, len(base)))) for s in range(0, len(base), batch_size)]
+    for bi, idx in enumerate(tqdm(batches, desc=f"{kind} traces", disable=not progress, unit="batch")):
+        prompts = [base[i]["prompt_ids"] for i in idx]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        torch.manual_seed(seed * 1_000_003 + bi)
+        gen_kw: dict[str, Any] = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, suppress_tokens=suppress,
+                                      pad_token_id=pad_id, **repetition_guard.generate_kwargs())
+        if kind == "sampled":
+            gen_kw.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        else:
+            gen_kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        out = model.generate(input_ids=ids, attention_mask=mask, **gen_kw)
+        for row, i in enumerate(idx):
+            traces.append(Trace(trace_ids=out[row, width:].tolist(), **base[i]))
+    return traces
+
+
+def _worked_ids(tok, q: dict[str, Any], pool: list[dict[str, Any]], new_tokens: int, seed: int) -> list[int]:
+    if not q.get("answer"):
+        raise KVComposeError("kind='worked' needs an 'answer' (a worked solution) for every question")
+    others = [p for p in pool if p.get("answer") and p["question"] != q["question"]]
+    if not others:
+        raise KVComposeError("kind='worked' needs other questions with worked solutions in `pool`")
+    rng = random.Random(seed)
+    order = others[:]
+    rng.shuffle(order)
+    text = _clean_worked(q["answer"])
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    k = 0
+    while len(ids) < new_tokens:
+        p = order[k % len(order)]
+        k += 1
+        more = f"\n\nNext problem: {p['question'].strip()}\n{_clean_worked(p['answer'])}"
+        ids += list(tok(more, add_special_tokens=False)["input_ids"])
+    return ids[:new_tokens]
+
+
+# ------------------------------------------------------------------------------------ full-cache reference
+@dataclass
+class _Reference:
+    logp: Tensor  # [T, V] float32 log-probs predicting trace[t]
+    nll: Tensor  # [T]
+    recall: float | None  # mean log-prob of the question tokens in the recall probe
+
+    @property
+    def nbytes(self) -> int:
+        return self.logp.numel() * self.logp.element_size()
+
+
+_REFS: "OrderedDict[tuple, _Reference]" = OrderedDict()
+REFERENCE_CACHE_BYTES = int(os.environ.get("KVCOMPOSE_REFERENCE_CACHE_BYTES", 1_500_000_000))
+
+
+def clear_reference_cache() -> None:
+    """Forget the cached full-cache references (they are kept per trace for this process)."""
+    _REFS.clear()
+
+
+def _ref_key(model, trace: Trace) -> tuple:
+    return (id(model), getattr(model.config, "_name_or_path", ""), str(model.dtype), trace.id,
+            hash(tuple(trace.prompt_ids)), hash(tuple(trace.trace_ids)), hash(tuple(trace.recall_ids)),
+            hash(tuple(trace.recall_target_ids)))
+
+
+def _forward(model, ids: list[int], cache, keep_last: bool = False) -> Tensor:
+    x = torch.tensor([ids], dtype=torch.long, device=_device(model))
+    kw = {"logits_to_keep": 1} if keep_last else {}
+    out = model(input_ids=x, past_key_values=cache, use_cache=True, **kw)
+    return out.logits[0].float()
+
+
+def _recall_logprob(model, trace: Trace, cache) -> float | None:
+    if not trace.recall_ids or not trace.recall_target_ids:
+        return None
+    seq = [trace.trace_ids[-1], *trace.recall_ids, *trace.recall_target_ids[:-1]]
+    logits = _forward(model, seq, cache)
+    start = len(trace.recall_ids)
+    lp = torch.log_softmax(logits[start : start + len(trace.recall_target_ids)], dim=-1)
+    tgt = torch.tensor(trace.recall_target_ids, device=lp.device)
+    return float(lp.gather(1, tgt[:, None]).mean())
+
+
+@torch.no_grad()
+def _reference(model, trace: Trace, chunk: int = 512) -> _Reference:
+    key = _ref_key(model, trace)
+    if key in _REFS:
+        _REFS.move_to_end(key)
+        return _REFS[key]
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    ids = [*trace.prompt_ids, *trace.trace_ids[:-1]]
+    p = len(trace.prompt_ids)
+    parts = [_forward(model, trace.prompt_ids, cache, keep_last=True)]
+    for s in range(p, len(ids), chunk):
+        parts.append(_forward(model, ids[s : s + chunk], cache))
+    logits = torch.cat(parts)
+    logp = torch.log_softmax(logits, dim=-1).cpu()
+    del logits, parts
+    tgt = torch.tensor(trace.trace_ids)
+    nll = -logp.gather(1, tgt[:, None])[:, 0]
+    ref = _Reference(logp=logp, nll=nll, recall=_recall_logprob(model, trace, cache))
+    _REFS[key] = ref
+    while len(_REFS) > 1 and sum(r.nbytes for r in _REFS.values()) > REFERENCE_CACHE_BYTES:
+        _REFS.popitem(last=False)
+    return ref
+
+
+# ------------------------------------------------------------------------------------ teacher forcing
+@dataclass
+class TraceScore:
+    """Per-token results of one trace through one cache (lists are per trace token)."""
+
+    id: str
+    kind: str
+    top1: list[float]
+    kl: list[float]
+    nll: list[float]
+    nll_full: list[float]
+    max_held_tokens: int
+    max_kv_bytes: int
+    full_kv_bytes: int
+    recall_logprob: float | None = None
+    recall_logprob_full: float | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class FidelityResult:
+    """Scores of a cache on a set of traces; tokens are pooled over traces for the means.
+
+    Attributes / properties: `top1`, `kl_mean` (nats), `ppl_ratio`, `max_held_tokens`, `max_kv_bytes`,
+    `kv_ratio` (peak held KV bytes / full-cache bytes at the end of the trace), `recall_delta` (mean over
+    traces of the per-token log-prob difference method - full in the recall probe; 0 = as good as the
+    full cache, negative = the question is harder to restate), `kl_curve(bucket)`.
+    """
+
+    traces: list[TraceScore]
+
+    def _all(self, name: str) -> list[float]:
+        return [x for t in self.traces for x in getattr(t, name)]
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(t.top1) for t in self.traces)
+
+    @property
+    def top1(self) -> float:
+        xs = self._all("top1")
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    @property
+    def kl_mean(self) -> float:
+        xs = self._all("kl")
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    @property
+    def ppl_ratio(self) -> float:
+        return perplexity_ratio(self._all("nll"), self._all("nll_full")) if self.traces else float("nan")
+
+    @property
+    def max_held_tokens(self) -> int:
+        return max((t.max_held_tokens for t in self.traces), default=0)
+
+    @property
+    def max_kv_bytes(self) -> int:
+        return max((t.max_kv_bytes for t in self.traces), default=0)
+
+    @property
+    def kv_ratio(self) -> float:
+        rs = [t.max_kv_bytes / t.full_kv_bytes for t in self.traces if t.full_kv_bytes]
+        return sum(rs) / len(rs) if rs else float("nan")
+
+    @property
+    def recall_delta(self) -> float | None:
+        ds = [t.recall_logprob - t.recall_logprob_full for t in self.traces
+              if t.recall_logprob is not None and t.recall_logprob_full is not None]
+        return sum(ds) / len(ds) if ds else None
+
+    @property
+    def seconds(self) -> float:
+        return sum(t.seconds for t in self.traces)
+
+    def kl_curve(self, bucket: int = 64) -> list[float]:
+        """Mean KL per bucket of `bucket` trace positions (pooled over traces)."""
+        sums: list[float] = []
+        counts: list[int] = []
+        for t in self.traces:
+            for i, v in enumerate(t.kl):
+                b = i // bucket
+                while len(sums) <= b:
+                    sums.append(0.0)
+                    counts.append(0)
+                sums[b] += v
+                counts[b] += 1
+        return [s / c for s, c in zip(sums, counts)]
+
+    @classmethod
+    def merge(cls, results: Iterable["FidelityResult"]) -> "FidelityResult":
+        return cls([t for r in results for t in r.traces])
+
+    def summary(self, bucket: int = 64) -> dict[str, Any]:
+        """The numbers as a JSON-ready dict."""
+        return {
+            "top1": self.top1, "kl_mean": self.kl_mean, "ppl_ratio": self.ppl_ratio,
+            "max_held_tokens": self.max_held_tokens, "max_kv_bytes": self.max_kv_bytes, "kv_ratio": self.kv_ratio,
+            "recall_delta": self.recall_delta, "n_traces": len(self.traces), "n_tokens": self.n_tokens,
+            "kl_curve": self.kl_curve(bucket), "kl_curve_bucket": bucket, "seconds": round(self.seconds, 3),
+        }
+
+
+def _cache_interval(cache) -> int | None:
+    from ..cache import KVComposeCache
+
+    if isinstance(cache, KVComposeCache) and cache.pipeline.compresses:
+        return cache.interval
+    return None
+
+
+def _peak(cache, seen: int) -> tuple[int, int, int]:
+    """(peak held tokens over layers, peak held KV bytes, full-cache KV bytes now)."""
+    from ..cache import KVComposeCache
+
+    if isinstance(cache, KVComposeCache):
+        mem = cache.memory()
+        held = max((l.peak_held_bytes // l.bytes_per_token() for l in cache.layers if l.bytes_per_token()), default=0)
+        return held, int(mem.peak.get("hbm", mem.total)), int(mem.full_cache)
+    nbytes = 0
+    for layer in getattr(cache, "layers", []):
+        k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if isinstance(k, Tensor) and isinstance(v, Tensor):
+            nbytes += k.numel() * k.element_size() + v.numel() * v.element_size()
+    return seen, nbytes, nbytes
+
+
+def _check_chunk(cache, chunk: int | None) -> int:
+    interval = _cache_interval(cache)
+    if chunk is None:
+        chunk = interval or 256
+    if chunk <= 0:
+        raise KVComposeError(f"chunk must be positive, got {chunk}")
+    if interval is not None and interval % chunk:
+        raise KVComposeError(
+            f"chunk {chunk} does not divide the cache's interval {interval}: a chunk would straddle a "
+            "compression event and differ from one-token decoding"
+        )
+    return chunk
+
+
+def _teacher_force(model, trace: Trace, cache, chunk: int):
+    """Yield `(start, logits[n, V])`: logits[i] predicts `trace_ids[start + i]`. The prompt is prefilled,
+    then `trace_ids[:-1]` is fed in chunks of `chunk` tokens starting at decoded count 0."""
+    yield 0, _forward(model, trace.prompt_ids, cache, keep_last=True)
+    ids = trace.trace_ids[:-1]
+    for s in range(0, len(ids), chunk):
+        yield s + 1, _forward(model, ids[s : s + chunk], cache)
+
+
+@torch.no_grad()
+def teacher_force_logits(model, trace: Trace, cache, chunk: int | None = None) -> Tensor:
+    """All `[T, V]` logits (float32) of a trace teacher-forced through `cache` (small models / tests)."""
+    chunk = _check_chunk(cache, chunk)
+    return torch.cat([lg.cpu() for _, lg in _teacher_force(model, trace, cache, chunk)])
+
+
+@torch.no_grad()
+def evaluate_trace(model, trace: Trace, cache, chunk: int | None = None) -> TraceScore:
+    """Teacher-force one trace through `cache` and score it against the full-cache reference."""
+    if len(trace.trace_ids) < 1 or len(trace.prompt_ids) < 1:
+        raise KVComposeError(f"trace {trace.id!r} needs a non-empty prompt and trace")
+    chunk = _check_chunk(cache, chunk)
+    ref = _reference(model, trace)
+    t0 = time.perf_counter()
+    tgt_all = torch.tensor(trace.trace_ids)
+    top1: list[float] = []
+    kl: list[float] = []
+    nll: list[float] = []
+    for start, logits in _teacher_force(model, trace, cache, chunk):
+        lp = torch.log_softmax(logits, dim=-1).cpu()
+        n = lp.shape[0]
+        lr = ref.logp[start : start + n]
+        top1.extend(top1_agreement(lr, lp).tolist())
+        kl.extend(kl_divergence(lr, lp).tolist())
+        nll.extend((-lp.gather(1, tgt_all[start : start + n, None])[:, 0]).tolist())
+    held, kv, full = _peak(cache, len(trace.prompt_ids) + len(trace.trace_ids) - 1)
+    recall = _recall_logprob(model, trace, cache)
+    return TraceScore(
+        id=trace.id, kind=trace.kind, top1=top1, kl=kl, nll=nll, nll_full=ref.nll.tolist(),
+        max_held_tokens=int(held), max_kv_bytes=int(kv), full_kv_bytes=int(full),
+        recall_logprob=recall, recall_logprob_full=ref.recall, seconds=time.perf_counter() - t0,
+    )
+
+
+def evaluate(model, traces: list[Trace], make_cache: Callable[[], Any], chunk: int | None = None,
+             progress: bool = False) -> FidelityResult:
+    """Teacher-force every trace through a fresh `make_cache()` and compare with the full cache.
+
+    Args:
+        model: the Hugging Face model (the same one that produced or is scored on the traces).
+        traces: from `make_traces` (or `Trace.from_dict`).
+        make_cache: returns a fresh cache per trace, e.g. `lambda: KVComposeCache(model, methods.h2o(), budget=128)`.
+        chunk: tokens per forward call; default the cache's compression interval (exactly equivalent to
+            one-token decoding, see the module docstring). Must divide the interval.
+    """
+    from tqdm.auto import tqdm
+
+    scores = [evaluate_trace(model, t, make_cache(), chunk) for t in tqdm(traces, disable=not progress, leave=False)]
+    return FidelityResult(scores)
+
+
+# ------------------------------------------------------------------------------------ free generation
+@dataclass
+class FreeGenRow:
+    id: str
+    gold: str | None
+    full_answer: str | None
+    answer: str | None
+    full_text: str
+    text: str
+    new_tokens: int
+    full_new_tokens: int
+
+
+@dataclass
+class FreeGenResult:
+    """Greedy answers with the full cache and with the method: agreement of the final numbers and exact match
+    against GSM8K's `####` number (for both)."""
+
+    rows: list[FreeGenRow]
+
+    @property
+    def agreement(self) -> float:
+        return sum(r.answer == r.full_answer for r in self.rows) / len(self.rows) if self.rows else float("nan")
+
+    @property
+    def text_agreement(self) -> float:
+        return sum(r.text == r.full_text for r in self.rows) / len(self.rows) if self.rows else float("nan")
+
+    @property
+    def exact_match(self) -> float:
+        rs = [r for r in self.rows if r.gold is not None]
+        return sum(r.answer == r.gold for r in rs) / len(rs) if rs else float("nan")
+
+    @property
+    def full_exact_match(self) -> float:
+        rs = [r for r in self.rows if r.gold is not None]
+        return sum(r.full_answer == r.gold for r in rs) / len(rs) if rs else float("nan")
+
+    def summary(self) -> dict[str, Any]:
+        return {"answer_agreement": self.agreement, "text_agreement": self.text_agreement,
+                "exact_match": self.exact_match, "full_exact_match": self.full_exact_match, "n": len(self.rows),
+                "mean_new_tokens": sum(r.new_tokens for r in self.rows) / max(1, len(self.rows))}
+
+
+_FULL_GEN: "OrderedDict[tuple, tuple[list[str], list[int]]]" = OrderedDict()
+
+
+@torch.no_grad()
+def _greedy_answers(model, tok, questions: list[dict[str, Any]], cache_factory, max_new_tokens: int,
+                    batch_size: int) -> tuple[list[str], list[int]]:
+    device = _device(model)
+    pad_id = model.generation_config.pad_token_id
+    eos = model.generation_config.eos_token_id
+    eos_set = set(eos if isinstance(eos, list) else [eos])
+    texts, lens = [], []
+    for s in range(0, len(questions), batch_size):
+        prompts = [_prompt_ids(tok, q["question"]) for q in questions[s : s + batch_size]]
+        width = max(len(p) for p in prompts)
+        pid = pad_id if pad_id is not None else 0
+        ids = torch.tensor([[pid] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        kw = {"past_key_values": cache_factory()} if cache_factory is not None else {}
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             temperature=None, top_p=None, top_k=None, pad_token_id=pid, **kw)
+        for row in out[:, width:].tolist():
+            n = next((i for i, t in enumerate(row) if t in eos_set), len(row))
+            texts.append(tok.decode(row[:n], skip_special_tokens=True))
+            lens.append(n)
+    return texts, lens
+
+
+def free_generation(model, tok, questions: list[dict[str, Any]], make_cache: Callable[[], Any],
+                    max_new_tokens: int = 384, batch_size: int = 8) -> FreeGenResult:
+    """Greedy generation with the full cache (cached per question set in this process) and with
+    `make_cache()`; compares the last number of each answer with the full cache's and with GSM8K's `####`.
+
+    `make_cache` is called once per batch of `batch_size` questions (left-padded batch).
+    """
+    key = (id(model), tuple(q["question"] for q in questions), max_new_tokens, batch_size)
+    if key not in _FULL_GEN:
+        _FULL_GEN[key] = _greedy_answers(model, tok, questions, None, max_new_tokens, batch_size)
+        while len(_FULL_GEN) > 4:
+            _FULL_GEN.popitem(last=False)
+    full_texts, full_lens = _FULL_GEN[key]
+    texts, lens = _greedy_answers(model, tok, questions, make_cache, max_new_tokens, batch_size)
+    rows = [
+        FreeGenRow(id=str(q.get("id", i)), gold=gsm8k_answer(q.get("answer")), full_answer=extract_answer(ft),
+                   answer=extract_answer(t), full_text=ft, text=t, new_tokens=n, full_new_tokens=fn)
+        for i, (q, ft, t, n, fn) in enumerate(zip(questions, full_texts, texts, lens, full_lens))
+    ]
+    return FreeGenResult(rows)

