@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--kvpress-max-steps", type=int, default=None,
                    help="truncate the traces sent to kvpress (it decodes one token per forward call)")
     f.add_argument("--kvpress-max-items", type=int, default=None, help="send only the first N traces to kvpress")
+    f.add_argument("--kvpress-json", default=None,
+                   help="reuse the kvpress results of an earlier run (its kvpress.json) instead of running kvpress")
+    f.add_argument("--traces", default=None,
+                   help="reuse the reference traces of an earlier run (its traces.json) instead of generating them")
     f.add_argument("--kvpress-sequential", action="store_true",
                    help="run kvpress before kvcompose's loop instead of in parallel with it")
     f.add_argument("--out", default="runs/fidelity", help="output folder (default runs/fidelity)")
@@ -247,6 +251,7 @@ def _bench(args, argv: list[str]) -> int:
             kvpress_presses=args.kvpress_presses, kvpress_budgets=args.kvpress_budgets,
             kvpress_kinds=args.kvpress_kinds, kvpress_max_steps=args.kvpress_max_steps,
             kvpress_max_items=args.kvpress_max_items, kvpress_parallel=not args.kvpress_sequential,
+            kvpress_json=args.kvpress_json, traces=args.traces,
             threads=args.threads, out=args.out, command=command,
         )
         run.run_fidelity(cfg)

@@ -88,6 +88,18 @@ def test_answer_extraction():
     assert gsm8k_answer(None) is None
 
 
+def test_free_generation_agreement_needs_a_number():
+    from kvcompose.bench.fidelity import FreeGenResult, FreeGenRow
+
+    rows = [FreeGenRow("a", "7", "7", "7", "x", "x", 10, 10),      # agree, correct
+            FreeGenRow("b", "3", None, None, "y", "z", 10, 10),   # neither has a number: no agreement
+            FreeGenRow("c", "5", "4", "5", "u", "v", 10, 10)]     # disagree; the method is right
+    r = FreeGenResult(rows)
+    assert r.agreement == pytest.approx(1 / 3)
+    assert r.text_agreement == pytest.approx(1 / 3)
+    assert r.exact_match == pytest.approx(2 / 3) and r.full_exact_match == pytest.approx(1 / 3)
+
+
 def test_load_questions(tmp_path):
     p = tmp_path / "q.jsonl"
     p.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) for i in range(5)))

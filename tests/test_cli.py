@@ -77,7 +77,8 @@ items = json.load(open(a.traces))["items"]
 n = len(items[0]["trace_ids"])
 res = {p: {b: {"top1": 0.5, "kl_mean": 0.25, "ppl_ratio": 1.5, "kl_curve": [0.25] * n, "max_held_tokens": int(b),
                "n_steps": n, "seconds": 1.0} for b in a.budgets} for p in a.presses}
-json.dump({"versions": {"kvpress": "0.5.5", "transformers": "5.2.0"}, "results": res}, open(a.out, "w"))
+cfg = {"n_items": len(items), "n_steps": sum(len(i["trace_ids"]) for i in items)}
+json.dump({"versions": {"kvpress": "0.5.5", "transformers": "5.2.0"}, "config": cfg, "results": res}, open(a.out, "w"))
 """
 
 
@@ -91,7 +92,8 @@ def test_bench_fidelity_small(tiny_dir, questions, tmp_path):
                      "--new-tokens", "40", "--kinds", "sampled", "worked", "--methods", "full", "h2o", "streaming_llm",
                      "--budgets", "24", "--interval", "8", "--free-gen-prompts", "2", "--free-gen-tokens", "12",
                      "--free-gen-budgets", "24", "--kvpress-python", sys.executable, "--kvpress-script", str(fake),
-                     "--kvpress-presses", "tova", "--kvpress-max-steps", "16", "--out", str(out)])
+                     "--kvpress-presses", "tova", "--kvpress-max-steps", "16", "--short-budgets", "24",
+                     "--short-tokens", "16", "--out", str(out)])
     assert code == 0
     data = json.loads((out / "fidelity.json").read_text())
     rows = {(r["method"], r["budget"], r["kind"]): r for r in data["rows"]}
@@ -103,8 +105,19 @@ def test_bench_fidelity_small(tiny_dir, questions, tmp_path):
     assert [(r["method"], r["budget"], r["kl_mean"]) for r in kp] == [("tova", 24, 0.25)]
     # kvcompose rows on exactly the tokens kvpress saw
     same = [r for r in data["rows"] if r["kind"] == kp[0]["kind"] and r["engine"] == "kvcompose"]
-    assert {r["method"] for r in same} == {"full", "h2o", "streaming_llm"}
+    assert {r["method"] for r in same} == {"full", "h2o", "streaming_llm"}  # short-regime rows matched too
     assert all(r["n_tokens"] == 16 for r in same)
+    # rerun on the same references and kvpress results: identical numbers, nothing regenerated
+    again = tmp_path / "again"
+    assert cli.main(["bench", "fidelity", "--model", tiny_dir, "--data", questions, "--n-prompts", "1",
+                     "--kinds", "sampled", "--methods", "h2o", "--budgets", "24", "--interval", "8",
+                     "--free-gen-prompts", "0", "--traces", str(out / "traces.json"),
+                     "--kvpress-json", str(out / "kvpress.json"), "--kvpress-max-steps", "16", "--short-budgets", "24",
+                     "--short-tokens", "16", "--out", str(again)]) == 0
+    redo = json.loads((again / "fidelity.json").read_text())
+    pick = lambda d: [(r["engine"], r["kind"], r["top1"], r["kl_mean"]) for r in d["rows"]
+                      if r["method"] in ("h2o", "tova") and r["kind"] != "worked"]
+    assert pick(redo) == pick(data)
     md = (out / "fidelity.md").read_text()
     assert "| h2o |" in md and "B=24" in md
     assert (out / "fidelity_vs_budget.png").stat().st_size > 1000

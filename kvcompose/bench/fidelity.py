@@ -609,7 +609,10 @@ class FreeGenResult:
 
     @property
     def agreement(self) -> float:
-        return sum(r.answer == r.full_answer for r in self.rows) / len(self.rows) if self.rows else float("nan")
+        """Share of questions where both runs end with the same number (a run without a number never agrees)."""
+        if not self.rows:
+            return float("nan")
+        return sum(r.answer is not None and r.answer == r.full_answer for r in self.rows) / len(self.rows)
 
     @property
     def text_agreement(self) -> float:
@@ -627,6 +630,7 @@ class FreeGenResult:
 
     def summary(self) -> dict[str, Any]:
         return {"answer_agreement": self.agreement, "text_agreement": self.text_agreement,
+                "full_has_number": sum(r.full_answer is not None for r in self.rows) / max(1, len(self.rows)),
                 "exact_match": self.exact_match, "full_exact_match": self.full_exact_match, "n": len(self.rows),
                 "mean_new_tokens": sum(r.new_tokens for r in self.rows) / max(1, len(self.rows))}
 

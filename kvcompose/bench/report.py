@@ -237,16 +237,21 @@ def plot_speed(data: dict[str, Any], path: str | Path) -> None:
     plt = _plt()
     rows = data["rows"]
     names = [r["name"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    axes[0].barh(names, [r.get("speed_ratio", float("nan")) for r in rows], color="tab:blue")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.6))
+    speed = [r.get("speed_ratio", float("nan")) for r in rows]
+    share = [100 * r["compress_share"] if r["compress_share"] == r["compress_share"] else 0.0 for r in rows]
+    axes[0].barh(names, speed, color="tab:blue")
     axes[0].axvline(1.0, color="k", lw=0.8)
     axes[0].set_xlabel("decode tokens/s relative to the full cache")
-    axes[1].barh(names, [100 * r["compress_share"] if r["compress_share"] == r["compress_share"] else 0 for r in rows],
-                 color="tab:orange")
-    axes[1].set_xlabel("share of decode time in compression events (%)")
-    for ax in axes:
+    axes[1].barh(names, share, color="tab:orange")
+    axes[1].set_xlabel("time in compression events, % of decode time")
+    for ax, vals, f in ((axes[0], speed, "{:.2f}"), (axes[1], share, "{:.1f}")):
+        for i, v in enumerate(vals):
+            ax.text(v, i, " " + f.format(v), va="center", fontsize=8)
         ax.invert_yaxis()
         ax.grid(alpha=0.3, axis="x")
+        ax.set_xlim(0, max([v for v in vals if v == v] + [1e-9]) * 1.18)
+    axes[1].set_yticklabels([])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -117,6 +117,8 @@ class FidelityConfig:
     kvpress_max_steps: int | None = None
     kvpress_max_items: int | None = None
     kvpress_parallel: bool = True
+    kvpress_json: str | None = None
+    traces: str | None = None
     kl_bucket: int = 64
     threads: int | None = None
     out: str = "runs/fidelity"
@@ -204,6 +206,15 @@ def _start_kvpress(cfg: FidelityConfig, traces: list[Trace], model_name: str, ou
     kp_traces = [t for t in traces if t.kind in cfg.kvpress_kinds][: cfg.kvpress_max_items or None]
     if cfg.kvpress_max_steps:
         kp_traces = [Trace(**{**t.to_dict(), "trace_ids": t.trace_ids[: cfg.kvpress_max_steps]}) for t in kp_traces]
+    if cfg.kvpress_json:
+        res = json.loads(Path(cfg.kvpress_json).read_text())
+        got = (res.get("config", {}).get("n_items"), res.get("config", {}).get("n_steps"))
+        want = (len(kp_traces), sum(len(t.trace_ids) for t in kp_traces))
+        if got != (None, None) and got != want:
+            raise KVComposeError(f"{cfg.kvpress_json} was run on {got[0]} traces / {got[1]} tokens, these kvpress "
+                                 f"settings select {want[0]} / {want[1]}")
+        log(f"kvpress results reused from {cfg.kvpress_json}")
+        return {"result": (res, None), "cmd": res.get("command", f"(reused {cfg.kvpress_json})"), "traces": kp_traces}
     kp_path = out / "kvpress_traces.json"
     kvpress.write_traces(kp_path, model_name, kp_traces)
     logf = open(out / "kvpress.log", "w")
@@ -246,8 +257,9 @@ def _finish_kvpress(kp: dict[str, Any], cfg: FidelityConfig, results, pipelines,
     rows = kvpress.kvpress_rows(res, label, cfg.kl_bucket)
     same = {}
     for (m, b, kind), scores in results.items():
-        sel = [_truncate(s, n) for s in scores if s.id in ids]
-        if sel:
+        # short-regime scores carry the id of their truncated trace ("<id>[:512]")
+        sel = [_truncate(s, n) for s in scores if s.id.split("[:")[0] in ids and len(s.top1) >= n]
+        if len(sel) == len(ids):
             same[(m, b, label)] = sel
     rows = _rows(same, pipelines, cfg.kl_bucket, data["prompt_lengths"]) + rows
     data["kvpress"] = {k: v for k, v in res.items() if k != "results"}
@@ -296,17 +308,24 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
     traces: list[Trace] = []
     t0 = time.perf_counter()
     guard = RepetitionGuard(cfg.repetition_penalty, cfg.no_repeat_ngram_size)
-    for kind in cfg.kinds:
-        traces += make_traces(model, tok, questions, new_tokens=cfg.new_tokens, kind=kind, seed=cfg.seed,
-                              temperature=cfg.temperature, top_p=cfg.top_p, repetition_guard=guard, pool=pool,
-                              progress=True)
+    if cfg.traces:  # reuse the references of an earlier run (same model): the first n_prompts of each kind
+        saved = [Trace.from_dict(d) for d in json.loads(Path(cfg.traces).read_text())["items"]]
+        for kind in cfg.kinds:
+            traces += [t for t in saved if t.kind == kind][: cfg.n_prompts]
+        log(f"reusing {len(traces)} traces from {cfg.traces}")
+    else:
+        for kind in cfg.kinds:
+            traces += make_traces(model, tok, questions, new_tokens=cfg.new_tokens, kind=kind, seed=cfg.seed,
+                                  temperature=cfg.temperature, top_p=cfg.top_p, repetition_guard=guard, pool=pool,
+                                  progress=True)
     trace_seconds = time.perf_counter() - t0
     (out / "traces.json").write_text(json.dumps(
         {"model": model_name, "items": [t.to_dict() | {"text": tok.decode(t.trace_ids)} for t in traces]}, indent=1))
-    log(f"{len(traces)} traces of {cfg.new_tokens} tokens in {trace_seconds:.0f}s -> {out / 'traces.json'}")
+    log(f"{len(traces)} traces of {max((len(t.trace_ids) for t in traces), default=0)} tokens in "
+        f"{trace_seconds:.0f}s -> {out / 'traces.json'}")
 
-    kp = _start_kvpress(cfg, traces, model_name, out, log) if cfg.kvpress_python else None
-    if kp is not None and not cfg.kvpress_parallel:
+    kp = _start_kvpress(cfg, traces, model_name, out, log) if (cfg.kvpress_python or cfg.kvpress_json) else None
+    if kp is not None and not cfg.kvpress_parallel and "result" not in kp:
         kp["result"] = _wait_kvpress(kp)
 
     combos: list[tuple[str, int | None]] = [("full", None)] if "full" in cfg.methods else []
