@@ -45,7 +45,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import attention as _attn
-from .cache import SUPPORTED_MODEL_TYPES
+from .cache import check_incoming, check_model
 from .pipeline import Pipeline
 from .scorers import AccumulatedAttention, Scorer
 from .selectors import TopK
@@ -361,17 +361,9 @@ class BranchLayer(CacheLayerMixin):
             cache._check_attention()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif key_states.device != self.device or key_states.dtype != self.dtype:
-            raise KVComposeError(
-                f"layer {self.layer_idx}: got keys on {key_states.device}/{key_states.dtype}, "
-                f"the cache holds {self.device}/{self.dtype}"
-            )
-        elif key_states.shape[0] != self.batch_size or key_states.shape[1] != self.num_heads:
-            raise KVComposeError(
-                f"layer {self.layer_idx}: got keys of shape {tuple(key_states.shape)}, the cache holds "
-                f"batch {self.batch_size} x {self.num_heads} heads (all rows share one tree: generate's beams and "
-                "num_return_sequences are not supported; branch with fork())"
-            )
+        else:
+            check_incoming(self, key_states, " (all rows share one tree: generate's beams and "
+                           "num_return_sequences are not supported; branch with fork())")
         q = key_states.shape[2]
         if self.layer_idx == 0:
             cache._begin_write(q)
@@ -582,19 +574,7 @@ class BranchCache(Cache):
             tier = HostTier()
         if not isinstance(tier, TierStore):
             raise KVComposeError(f"tier must be a kvcompose TierStore (HostTier(), Evict(), ...), got {type(tier).__name__}")
-        config = getattr(model, "config", None)
-        if config is None:
-            raise KVComposeError("model has no config: pass a Hugging Face PreTrainedModel")
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        model_type = getattr(config, "model_type", None)
-        if strict and model_type not in SUPPORTED_MODEL_TYPES:
-            raise KVComposeError(
-                f"unsupported model type {model_type!r}: kvcompose is tested on {', '.join(SUPPORTED_MODEL_TYPES)} "
-                "(pass strict=False to try anyway)"
-            )
-        layer_types = getattr(config, "layer_types", None) or []
-        if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
-            raise KVComposeError(f"unsupported layer types {sorted(set(layer_types))}: only attention layers are supported")
+        config = check_model(model, strict)
         self.model = model
         self.budget = budget
         self.keep = float(keep)

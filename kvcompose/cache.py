@@ -80,6 +80,38 @@ class MemoryReport:
         return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
 
 
+def check_model(model, strict: bool = True):
+    """The text config of a supported decoder-only model, or a `KVComposeError` naming the problem."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise KVComposeError("model has no config: pass a Hugging Face PreTrainedModel")
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(config, "model_type", None)
+    if strict and model_type not in SUPPORTED_MODEL_TYPES:
+        raise KVComposeError(
+            f"unsupported model type {model_type!r}: kvcompose is tested on {', '.join(SUPPORTED_MODEL_TYPES)} "
+            "(pass strict=False to try anyway)"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+        raise KVComposeError(f"unsupported layer types {sorted(set(layer_types))}: only attention layers are supported")
+    return config
+
+
+def check_incoming(layer, key_states: Tensor, hint: str = "") -> None:
+    """Refuse new keys whose device, dtype, batch or head count differ from what an initialised layer holds."""
+    if key_states.device != layer.device or key_states.dtype != layer.dtype:
+        raise KVComposeError(
+            f"layer {layer.layer_idx}: got keys on {key_states.device}/{key_states.dtype}, "
+            f"the cache holds {layer.device}/{layer.dtype}"
+        )
+    if key_states.shape[0] != layer.batch_size or key_states.shape[1] != layer.num_heads:
+        raise KVComposeError(
+            f"layer {layer.layer_idx}: got keys of shape {tuple(key_states.shape)}, the cache holds "
+            f"batch {layer.batch_size} x {layer.num_heads} heads{hint}"
+        )
+
+
 class KVComposeLayer(CacheLayerMixin):
     """One decoder layer's compressed cache. Not built by users: `KVComposeCache` makes one per layer."""
 
@@ -175,16 +207,8 @@ class KVComposeLayer(CacheLayerMixin):
         """Append new tokens (keys after RoPE) and hand this layer to the attention function."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif key_states.device != self.device or key_states.dtype != self.dtype:
-            raise KVComposeError(
-                f"layer {self.layer_idx}: got keys on {key_states.device}/{key_states.dtype}, "
-                f"the cache holds {self.device}/{self.dtype}"
-            )
-        elif key_states.shape[0] != self._k.shape[0] or key_states.shape[1] != self._k.shape[1]:
-            raise KVComposeError(
-                f"layer {self.layer_idx}: got keys of shape {tuple(key_states.shape)}, the cache holds "
-                f"batch {self._k.shape[0]} x {self._k.shape[1]} heads"
-            )
+        else:
+            check_incoming(self, key_states)
         if self.seen == 0:
             self.prompt_length = key_states.shape[2]
         self._append(key_states, value_states)
@@ -488,19 +512,8 @@ class KVComposeCache(Cache):
         if not isinstance(seed, int):
             raise KVComposeError(f"seed must be an int, got {seed!r}")
         pipeline.validate(budget)
-        config = getattr(model, "config", None)
-        if config is None:
-            raise KVComposeError("model has no config: pass a Hugging Face PreTrainedModel")
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        config = check_model(model, strict)
         model_type = getattr(config, "model_type", None)
-        if strict and model_type not in SUPPORTED_MODEL_TYPES:
-            raise KVComposeError(
-                f"unsupported model type {model_type!r}: kvcompose is tested on {', '.join(SUPPORTED_MODEL_TYPES)} "
-                "(pass strict=False to try anyway)"
-            )
-        layer_types = getattr(config, "layer_types", None) or []
-        if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
-            raise KVComposeError(f"unsupported layer types {sorted(set(layer_types))}: only attention layers are supported")
         self.model_type = model_type
         self.pipeline = pipeline
         self.budget = budget

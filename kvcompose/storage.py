@@ -46,7 +46,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from . import attention as _attn
-from .cache import KVComposeLayer
+from .cache import KVComposeLayer, check_incoming
 from .pipeline import Selection
 from .view import KVComposeError, LayerView
 
@@ -518,16 +518,8 @@ class RaggedLayer(KVComposeLayer):
         """Append new tokens (keys after RoPE) to every head and hand this layer to the attention function."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        elif key_states.device != self.device or key_states.dtype != self.dtype:
-            raise KVComposeError(
-                f"layer {self.layer_idx}: got keys on {key_states.device}/{key_states.dtype}, "
-                f"the cache holds {self.device}/{self.dtype}"
-            )
-        elif key_states.shape[0] != self.batch_size or key_states.shape[1] != self.num_heads:
-            raise KVComposeError(
-                f"layer {self.layer_idx}: got keys of shape {tuple(key_states.shape)}, the cache holds "
-                f"batch {self.batch_size} x {self.num_heads} heads"
-            )
+        else:
+            check_incoming(self, key_states)
         q = key_states.shape[2]
         if self.seen == 0:
             self.prompt_length = q
