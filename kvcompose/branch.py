@@ -616,14 +616,17 @@ class BranchCache(Cache):
         # hooks: capture token ids / position ids, rehydrate lazily, enforce the budget after each forward
         ref = weakref.ref(self)
 
-        def pre(module, args, kwargs):
+        # A dead cache's finalizer may remove these hooks while torch is already iterating over them (garbage
+        # collection inside a forward); torch then calls them without kwargs, so both accept that and do nothing.
+        def pre(module, args, kwargs=None):
             c = ref()
-            if c is not None and kwargs.get("past_key_values") is c:
+            if c is not None and kwargs is not None and kwargs.get("past_key_values") is c:
                 c._before_forward(kwargs)
 
-        def post(module, args, kwargs, output):
+        def post(module, args, *rest):
             c = ref()
-            if c is not None and kwargs.get("past_key_values") is c:
+            kwargs = rest[0] if len(rest) == 2 else None
+            if c is not None and kwargs is not None and kwargs.get("past_key_values") is c:
                 c._after_forward()
 
         handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
