@@ -80,6 +80,39 @@ class MemoryReport:
         return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
 
 
+@dataclass
+class CacheStats:
+    """Counters of a cache's compression events: wall time spent in them and how many ran (all layers).
+
+    With `sync=True` the device is synchronised around each event (exact on CUDA, slower)."""
+
+    compress_seconds: float = 0.0
+    compress_calls: int = 0
+    sync: bool = False
+
+
+def timed_compress(fn):
+    """Decorator of a layer's `compress()` that adds its wall time to `layer.cache.stats`."""
+    import functools
+    import time
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        stats = self.cache.stats
+        if stats.sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            if stats.sync and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            stats.compress_seconds += time.perf_counter() - t0
+            stats.compress_calls += 1
+
+    return wrapper
+
+
 def check_model(model, strict: bool = True):
     """The text config of a supported decoder-only model, or a `KVComposeError` naming the problem."""
     config = getattr(model, "config", None)
@@ -329,6 +362,7 @@ class KVComposeLayer(CacheLayerMixin):
             m = self.cache.prefetcher.gather(self)
         return m
 
+    @timed_compress
     def compress(self) -> Selection:
         """Run the pipeline once on this layer and keep only what it selects.
 
@@ -520,6 +554,7 @@ class KVComposeCache(Cache):
         self.interval = interval
         self.compress_prefill = compress_prefill
         self.seed = seed
+        self.stats = CacheStats()
         self.query_window = pipeline.query_window
         self.num_layers = config.num_hidden_layers
         from .prefetch import Prefetcher

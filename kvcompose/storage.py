@@ -46,7 +46,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from . import attention as _attn
-from .cache import KVComposeLayer, check_incoming
+from .cache import KVComposeLayer, check_incoming, timed_compress
 from .pipeline import Selection
 from .view import KVComposeError, LayerView
 
@@ -613,6 +613,7 @@ class RaggedLayer(KVComposeLayer):
         if bool(self._over_limit().any()):
             self.compress()
 
+    @timed_compress
     def compress(self) -> Selection:
         """Run the pipeline on this layer; compact the rows over their limits to the selected tokens."""
         cache = self.cache
