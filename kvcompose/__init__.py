@@ -9,8 +9,10 @@ model.generate(**inputs, past_key_values=cache)
 """
 
 from . import methods
-from .allocators import Allocator, GrowPage, HeadUtility, Pyramid, ReasoningWave, Uniform
-from .cache import KVComposeCache, KVComposeLayer, MemoryReport
+from .allocators import Allocator, GrowPage, HeadUtility, Pyramid, ReasoningWave, SeenShare, Uniform
+from .block import Block, LayerSchedule, Observer
+from .cache import CacheStats, KVComposeCache, MemoryReport
+from .layer import ComposeLayer
 from .branch import BranchCache, BranchMemory
 from .pipeline import Pipeline, Selection
 from .prefetch import Prefetcher
@@ -27,13 +29,16 @@ from .scorers import (
     WindowedAttention,
 )
 from .selectors import RandomDrop, Sample, Selector, TopK
+from .stores import DenseStore, KVStore, PagedStore
 from .tiers import CompressedTier, Evict, Hierarchy, HostTier, TierStore, TierTokens
-from .view import KVComposeError, LayerView
+from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "KVComposeCache", "KVComposeLayer", "MemoryReport", "Pipeline", "Selection", "LayerView", "KVComposeError",
+    "KVComposeCache", "ComposeLayer", "MemoryReport", "CacheStats", "Pipeline", "Selection", "LayerView",
+    "LayerSpec", "AttentionStep", "KVComposeError", "Block", "Observer", "LayerSchedule",
+    "KVStore", "DenseStore", "PagedStore", "SeenShare",
     "Scorer", "AccumulatedAttention", "WindowedAttention", "KeyRedundancy", "ValueNorm", "KeyNorm",
     "LastQueryAttention", "Recency", "RandomScore",
     "Protector", "ProtectPrompt", "ProtectSinks", "ProtectRecent", "ProtectValueNorm",

@@ -1,27 +1,38 @@
-"""`Pipeline(...)`: composes typed blocks into one compression step.
+"""`Pipeline(...)`: composes typed blocks into one compression step, and threads their state.
 
-Order at a compression event: Allocator (budget per head) -> Scorer (scores) -> Protectors (keep
-masks) -> Selector (kept set) -> TierStore (where the rest goes). The pipeline checks its parts at
-construction (`Pipeline(...)`) and against a budget (`validate(budget)`), and raises a clear
+Order at a compression event: Allocator (budget per head) -> Scorer (scores) -> Protectors (keep masks)
+-> Selector (kept set and priority order) -> TierStore (where the rest goes, by that order). The pipeline
+checks its parts at construction and against a budget (`validate(budget)`) and raises a clear
 `KVComposeError` naming the problem.
+
+State, as in optax's `chain`: the pipeline flattens its blocks (composites into their parts) into
+`leaves`; `init(spec)` returns one state per leaf (a tuple), and every call that changes state takes the
+tuple and returns the new one. Token state (`Block.token_state` channels) lives in the layer's store, as
+one float32 tensor `[B, H, T, C]` whose channel ranges the pipeline assigns to its leaves. One pipeline
+object thus serves every layer, row and branch; the layer (or tree node) owns the state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from .allocators import Allocator, Uniform
+from .block import Block, Observer
 from .protectors import Protector, ProtectPrompt
 from .scorers import Scorer
 from .selectors import Selector
 from .tiers import Evict, TierStore
-from .view import KVComposeError, LayerView
+from .view import FAR_POSITION, AttentionStep, KVComposeError, LayerSpec, LayerView
 
 __all__ = ["Pipeline", "Selection"]
+
+_ROLES = (Scorer, Protector, Selector, Allocator, TierStore)
 
 
 @dataclass
@@ -30,13 +41,25 @@ class Selection:
 
     Attributes:
         kept: `[B, H, K]` kept slot indices, ascending, -1 padded for heads with smaller budgets.
+        order: `[B, H, T]` every slot, the kept ones first, then from most to least worth keeping (None
+            unless a tier store holds tokens).
         budget: `[B, H]` the budget each head was given.
         scores: `[B, H, T]` the scores (None for score-free selectors).
     """
 
     kept: Int[Tensor, "B H K"]
+    order: Int[Tensor, "B H T"] | None
     budget: Int[Tensor, "B H"]
     scores: Float[Tensor, "B H T"] | None
+
+
+def _flatten(block: Block, leaves: list[Block]) -> Any:
+    """Append the leaves of `block` to `leaves`; return its index tree (an int for a leaf, a tuple else)."""
+    kids = block.children()
+    if not kids:
+        leaves.append(block)
+        return len(leaves) - 1
+    return tuple(_flatten(k, leaves) for k in kids)
 
 
 class Pipeline:
@@ -48,18 +71,23 @@ class Pipeline:
 
     Accepts at most one Scorer (combine several with arithmetic), any number of Protectors, at most one
     Selector, Allocator and TierStore. A pipeline with no selector never compresses (the full cache).
+
+    Args:
+        name: shown by `repr` (presets name themselves).
+        interval: the method's own compression interval (R-KV 128, VaSE 64), used by a cache that is not
+            given one.
     """
 
-    def __init__(self, *blocks: Scorer | Protector | Selector | Allocator | TierStore, name: str | None = None):
+    def __init__(self, *blocks: Scorer | Protector | Selector | Allocator | TierStore, name: str | None = None,
+                 interval: int | None = None):
+        bad = [type(b).__name__ for b in blocks if not isinstance(b, _ROLES)]
+        if bad:
+            raise KVComposeError(f"Pipeline got objects that are not kvcompose blocks: {bad}")
         scorers = [b for b in blocks if isinstance(b, Scorer)]
         protectors = [b for b in blocks if isinstance(b, Protector)]
         selectors = [b for b in blocks if isinstance(b, Selector)]
         allocators = [b for b in blocks if isinstance(b, Allocator)]
         tiers = [b for b in blocks if isinstance(b, TierStore)]
-        known = len(scorers) + len(protectors) + len(selectors) + len(allocators) + len(tiers)
-        if known != len(blocks):
-            bad = [type(b).__name__ for b in blocks if not isinstance(b, (Scorer, Protector, Selector, Allocator, TierStore))]
-            raise KVComposeError(f"Pipeline got objects that are not kvcompose blocks: {bad}")
         if len(scorers) > 1:
             raise KVComposeError(
                 f"Pipeline got {len(scorers)} scorers ({', '.join(type(s).__name__ for s in scorers)}); "
@@ -71,12 +99,15 @@ class Pipeline:
             raise KVComposeError(f"Pipeline got {len(allocators)} allocators; give at most one")
         if len(tiers) > 1:
             raise KVComposeError(f"Pipeline got {len(tiers)} tier stores; give at most one")
+        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0):
+            raise KVComposeError(f"interval must be a positive int, got {interval!r}")
         self.scorer: Scorer | None = scorers[0] if scorers else None
         self.protectors: list[Protector] = protectors
         self.selector: Selector | None = selectors[0] if selectors else None
         self.allocator: Allocator = allocators[0] if allocators else Uniform()
         self.tier: TierStore = tiers[0] if tiers else Evict()
         self.name = name
+        self.interval = interval
         if self.selector is None:
             if self.scorer is not None or self.protectors:
                 raise KVComposeError("Pipeline has a scorer or protectors but no selector to use them; add TopK(), Sample() or RandomDrop()")
@@ -87,6 +118,22 @@ class Pipeline:
                 raise KVComposeError(f"{type(self.selector).__name__} ignores scores; remove the scorer {self.scorer!r} or use TopK/Sample")
         if sum(isinstance(p, ProtectPrompt) for p in protectors) > 1:
             raise KVComposeError("Pipeline got ProtectPrompt twice")
+        # the state layout: leaves in part order, channel ranges of token-state leaves (the tier's state is
+        # threaded by the layer through `store` / `fetch`, not here)
+        self.parts: tuple[Block, ...] = tuple(b for b in (self.allocator, self.scorer, *self.protectors, self.selector)
+                                              if b is not None)
+        self.leaves: list[Block] = []
+        index = [_flatten(p, self.leaves) for p in self.parts]
+        self._alloc_index = index[0]
+        self._scorer_index = index[1] if self.scorer is not None else None
+        self._slices: list[slice | None] = []
+        c = 0
+        for leaf in self.leaves:
+            n = int(leaf.token_state)
+            self._slices.append(slice(c, c + n) if n else None)
+            c += n
+        self.channels = c
+        self.observers = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, Observer)]
 
     # -- properties -------------------------------------------------------------------------------
     @property
@@ -96,15 +143,13 @@ class Pipeline:
 
     @property
     def query_window(self) -> int:
-        """How many recent queries per layer the blocks need (the cache's ring-buffer size)."""
-        w = self.scorer.query_window if self.scorer is not None else 0
-        for b in [self.allocator, self.tier, *self.protectors]:
-            w = max(w, getattr(b, "query_window", 0))
-        return w
+        """How many recent queries per layer the blocks need (the layer's ring-buffer size)."""
+        return max([b.query_window for b in (*self.parts, *self.leaves, self.tier)], default=0)
 
-    def observers(self) -> list[Scorer]:
-        """Scorer parts that must see every attention step (e.g. accumulated attention)."""
-        return [b for b in (self.scorer.blocks() if self.scorer else []) if b.observes]
+    @property
+    def needs_budget(self) -> bool:
+        """True when the cache must be given a token budget."""
+        return self.compresses and self.allocator.needs_budget
 
     def fixed_protection(self, budget: int) -> int:
         """Upper bound on tokens protected by the fixed-count protectors at this budget."""
@@ -115,7 +160,7 @@ class Pipeline:
         if not self.compresses:
             return
         if budget is None:
-            if not getattr(self.tier, "budget_free", False) and not getattr(self.allocator, "budget_free", False):
+            if self.allocator.needs_budget:
                 raise KVComposeError(f"pipeline {self!r} compresses and needs a token budget (budget=...)")
             return
         if isinstance(budget, bool) or not isinstance(budget, int):
@@ -123,27 +168,116 @@ class Pipeline:
         if budget <= 0:
             raise KVComposeError(f"budget must be positive, got {budget}")
         fixed = self.fixed_protection(budget)
-        if fixed > budget:
+        if fixed > budget and not self.tier.holds_tokens:
             parts = ", ".join(f"{p!r}: {p.max_count(budget)}" for p in self.protectors if p.max_count(budget))
             raise KVComposeError(f"protectors may keep {fixed} tokens, more than the budget {budget} ({parts})")
 
+    def replace(self, *blocks: Block, name: str | None = None, interval: int | None = None) -> "Pipeline":
+        """The same pipeline with parts swapped: each given Scorer, Selector, Allocator or TierStore replaces
+        the part of its role; given Protectors replace all protectors."""
+        bad = [type(b).__name__ for b in blocks if not isinstance(b, _ROLES)]
+        if bad:
+            raise KVComposeError(f"replace got objects that are not kvcompose blocks: {bad}")
+        new_prot = [b for b in blocks if isinstance(b, Protector)]
+        pick = lambda role, cur: next((b for b in blocks if isinstance(b, role)), cur)  # noqa: E731
+        parts = [*(new_prot if new_prot else self.protectors), pick(Scorer, self.scorer), pick(Selector, self.selector),
+                 pick(Allocator, self.allocator), pick(TierStore, self.tier)]
+        return Pipeline(*[p for p in parts if p is not None], name=name,
+                        interval=self.interval if interval is None else interval)
+
+    # -- state ------------------------------------------------------------------------------------
+    def init(self, spec: LayerSpec) -> tuple:
+        """One fresh state per leaf for a layer (None for stateless and token-state leaves)."""
+        return tuple(None if leaf.token_state else leaf.init(spec) for leaf in self.leaves)
+
+    def check_state(self, states: Any) -> None:
+        """Refuse a state tuple that was not made by this pipeline's `init`."""
+        if not isinstance(states, tuple) or len(states) != len(self.leaves):
+            n = len(states) if isinstance(states, tuple) else type(states).__name__
+            raise KVComposeError(f"pipeline state has {n} entries, the pipeline {self!r} has {len(self.leaves)} "
+                                 "stateful leaves: state and parts do not match")
+
+    def _leaf_state(self, i: int, states: tuple, channels: Tensor | None) -> Any:
+        sl = self._slices[i]
+        if sl is None:
+            return states[i]
+        if channels is None:
+            raise KVComposeError(f"{self.leaves[i]!r} keeps token state but no channels were given")
+        x = channels[..., sl]
+        return x[..., 0] if sl.stop - sl.start == 1 else x
+
+    def _tree(self, idx: Any, states: tuple, channels: Tensor | None) -> Any:
+        """A part's state: its leaf's state, or the tuple of its parts' states."""
+        if isinstance(idx, int):
+            return self._leaf_state(idx, states, channels)
+        return tuple(self._tree(i, states, channels) for i in idx)
+
+    def observe(self, states: tuple, channels: Float[Tensor, "B H T C"], step: AttentionStep
+                ) -> tuple[tuple, Float[Tensor, "B H T C"]]:
+        """Let every observer leaf see one attention step; returns the new states and channels."""
+        if not self.observers:
+            return states, channels
+        out_states = list(states)
+        out_ch = channels.clone() if self.channels else channels
+        for i in self.observers:
+            new = self.leaves[i].observe(self._leaf_state(i, states, channels), step)
+            sl = self._slices[i]
+            if sl is None:
+                out_states[i] = new
+            else:
+                out_ch[..., sl] = new[..., None] if new.dim() == 3 else new
+        return tuple(out_states), out_ch
+
+    def map_rows(self, states: tuple, fn: Callable[[Tensor], Tensor], batch: int) -> tuple:
+        """Reorder / select batch rows of every leaf's layer state."""
+        return tuple(s if s is None else leaf.map_rows(s, fn, batch) for leaf, s in zip(self.leaves, states))
+
     # -- the step ---------------------------------------------------------------------------------
-    def select(self, view: LayerView, budget: int) -> Selection:
-        """Run Allocator -> Scorer -> Protectors -> Selector on one layer."""
-        assert self.selector is not None
-        per_head = self.allocator(view, budget)
-        scores = self.scorer(view) if self.scorer is not None else None
+    def select(self, view: LayerView, budget: int, states: tuple | None = None,
+               channels: Float[Tensor, "B H T C"] | None = None) -> tuple[Selection, tuple]:
+        """Run Allocator -> Scorer -> Protectors -> Selector on one layer; returns the selection and the new
+        states. Protected tokens must fit in the budget plus what the tier keeps off HBM.
+
+        Without `states` (a standalone call), fresh states are made with `init` and token state starts at 0."""
+        if self.selector is None:
+            raise KVComposeError(f"pipeline {self!r} has no selector: it never compresses")
+        if states is None:
+            b, h, t, d = view.keys.shape
+            states = self.init(LayerSpec(view.layer_idx, view.num_layers, b, h, d, view.values.shape[-1],
+                                         view.device, view.keys.dtype))
+        if channels is None and self.channels:
+            channels = torch.zeros(*view.shape, self.channels, device=view.device)
+        self.check_state(states)
+        out_states = list(states)
+        per_head, new_alloc = self.allocator(view, budget, self._tree(self._alloc_index, states, channels))
+        if isinstance(self._alloc_index, int) and self._slices[self._alloc_index] is None:
+            out_states[self._alloc_index] = new_alloc
+        scores = None
+        if self.scorer is not None:
+            scores = self.scorer(view, self._tree(self._scorer_index, states, channels))
         protected = torch.zeros_like(view.valid)
         bmin = int(per_head.min())
         fixed = [p for p in self.protectors if not isinstance(p, ProtectPrompt)]
         for p in fixed:
             protected |= p(view, bmin)
-        room = bmin - sum(p.max_count(bmin) for p in fixed)
+        limit = per_head
+        if self.tier.holds_tokens:
+            candidates = (view.positions < FAR_POSITION).sum(-1)
+            limit = per_head + self.tier.retained(candidates, per_head, view.seen)
+        room = int(limit.min()) - sum(p.max_count(bmin) for p in fixed)
         for p in self.protectors:
             if isinstance(p, ProtectPrompt):
                 protected |= p(view, bmin, room)
-        kept = self.selector(scores, protected, view.valid, per_head, view.generator)
-        return Selection(kept=kept, budget=per_head, scores=scores)
+        n_prot = protected.sum(-1)
+        if bool((n_prot > limit).any()):
+            where = "" if limit is per_head else " plus what the tier keeps"
+            raise KVComposeError(
+                f"{int(n_prot.max())} protected tokens do not fit in a budget of {int(per_head.min())}{where} "
+                f"(layer {view.layer_idx}): raise the budget or protect fewer tokens"
+            )
+        kept, order = self.selector(scores, protected, view.valid, per_head, view.generator,
+                                    need_order=self.tier.holds_tokens)
+        return Selection(kept=kept, order=order, budget=per_head, scores=scores), tuple(out_states)
 
     def __repr__(self) -> str:
         if self.name:

@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Bool
 from torch import Tensor
 
+from .block import Block
 from .kernels import value_magnitude
 from .view import KVComposeError, LayerView
 
@@ -50,7 +51,7 @@ def _rank_mask(order_key: Tensor, count: int, eligible: Bool[Tensor, "B H T"]) -
     return out & eligible
 
 
-class Protector:
+class Protector(Block):
     """Base class. `__call__(view, budget, room)` returns the keep mask; `max_count(budget)` bounds its size."""
 
     def max_count(self, budget: int) -> int:  # pragma: no cover - abstract

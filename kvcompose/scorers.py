@@ -1,25 +1,27 @@
 """Scorers: `LayerView -> Float[B, H, T]`, higher = more worth keeping.
 
-Scorers combine with arithmetic: `0.1 * Importance() - 0.9 * Redundancy()` is a scorer too.
-A scorer that needs queries declares `query_window` (the cache keeps that many post-RoPE queries per
-layer in a ring buffer). A scorer that must see every decoding step (H2O's accumulated attention)
-implements `observe`, and keeps its running total as token-aligned state in the layer's cache state,
-never inside the block object.
+Scorers combine with arithmetic: `0.1 * Importance() - 0.9 * Redundancy()` is a scorer too (a composite
+whose state is the tuple of its parts' states). A scorer that needs queries declares `query_window` (the
+layer keeps that many post-RoPE queries in a ring buffer). A scorer that must see every decoding step
+(H2O's accumulated attention) is an `Observer` with token state: the running total is one float per held
+token, carried by the layer's store with its token, and handed to `observe` and `score` as `[B, H, T]`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from .block import Block
 from .kernels import key_redundancy, value_magnitude, window_attention_scores
-from .view import KVComposeError, LayerView
+from .view import AttentionStep, KVComposeError, LayerView
 
 __all__ = [
     "Scorer",
+    "Combined",
     "AccumulatedAttention",
     "WindowedAttention",
     "KeyRedundancy",
@@ -31,46 +33,19 @@ __all__ = [
 ]
 
 
-class Scorer:
-    """Base class. Subclasses implement `score(view) -> Float[B, H, T]`.
+class Scorer(Block):
+    """Base class. Subclasses implement `score(view) -> Float[B, H, T]`, or `score(view, state)` when the
+    scorer has state (token state, `init`, or parts)."""
 
-    Class attributes:
-        query_window: how many recent post-RoPE queries the scorer needs (0: none).
-        observes: True when `observe` must be called at every attention step.
-    """
-
-    query_window: int = 0
-    observes: bool = False
-
-    @property
-    def state_key(self) -> str:
-        """Key of this block's token-aligned state in the layer's cache state."""
-        return f"{type(self).__name__}@{id(self):x}"
-
-    def score(self, view: LayerView) -> Float[Tensor, "B H T"]:  # pragma: no cover - abstract
+    def score(self, view: LayerView, *state: Any) -> Float[Tensor, "B H T"]:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def __call__(self, view: LayerView) -> Float[Tensor, "B H T"]:
-        s = self.score(view)
+    def __call__(self, view: LayerView, state: Any = None) -> Float[Tensor, "B H T"]:
+        s = self.score(view, state) if self.takes_state else self.score(view)
         b, h, t = view.shape
         if s.shape != (b, h, t):
             raise KVComposeError(f"{type(self).__name__} returned scores of shape {tuple(s.shape)}, expected {(b, h, t)}")
         return s.float()
-
-    def observe(
-        self,
-        state: Float[Tensor, "B H T"] | None,
-        queries: Float[Tensor, "B Hq Q D"],
-        keys: Float[Tensor, "B H T D"],
-        mask: Bool[Tensor, "B H Q T"],
-        scale: float,
-    ) -> Float[Tensor, "B H T"] | None:
-        """Update this scorer's running state after an attention step (only if `observes`)."""
-        return state
-
-    def blocks(self) -> list["Scorer"]:
-        """This scorer and, for a combination, all its parts."""
-        return [self]
 
     # arithmetic -------------------------------------------------------------------------------
     def __add__(self, other: "Scorer | float") -> "Scorer":
@@ -116,8 +91,8 @@ class Combined(Scorer):
     def query_window(self) -> int:  # type: ignore[override]
         return max((s.query_window for s, _ in self.terms), default=0)
 
-    def blocks(self) -> list[Scorer]:
-        return [b for s, _ in self.terms for b in s.blocks()]
+    def children(self) -> tuple[Block, ...]:
+        return tuple(s for s, _ in self.terms)
 
     def __add__(self, other: "Scorer | float") -> "Scorer":
         if isinstance(other, (int, float)):
@@ -132,10 +107,11 @@ class Combined(Scorer):
             raise KVComposeError("a scorer can only be scaled by a number")
         return Combined(tuple((s, w * weight) for s, w in self.terms), self.constant * weight)
 
-    def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
+    def score(self, view: LayerView, state: tuple | None = None) -> Float[Tensor, "B H T"]:
         total = torch.full(view.shape, self.constant, dtype=torch.float32, device=view.keys.device)
-        for s, w in self.terms:
-            total = total + w * s(view)
+        parts = state if state is not None else (None,) * len(self.terms)
+        for (s, w), st in zip(self.terms, parts):
+            total = total + w * s(view, st)
         return total
 
     def __repr__(self) -> str:
@@ -163,38 +139,32 @@ class AccumulatedAttention(Scorer):
             towards old tokens); default False, as in H2O.
     """
 
-    observes = True
+    token_state = 1
 
     def __init__(self, normalize: bool = False):
         self.normalize = normalize
 
-    def observe(self, state, queries, keys, mask, scale):
+    def observe(self, state: Float[Tensor, "B H T"], step: AttentionStep) -> Float[Tensor, "B H T"]:
+        """Add the softmax attention every query of the step gave each key (summed over the query group)."""
+        queries, keys = step.queries, step.keys
         b, hq, q, d = queries.shape
         h = keys.shape[1]
         g = hq // h
         qg = queries.reshape(b, h, g * q, d).float()
-        logits = torch.einsum("bhqd,bhtd->bhqt", qg, keys.float()) * scale
-        m = mask[:, :, None].expand(b, h, g, q, mask.shape[-1]).reshape(b, h, g * q, -1)
-        logits = logits.masked_fill(~m, float("-inf"))
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-        add = probs.sum(dim=2)
-        if state is None or state.shape != add.shape:
-            base = torch.zeros_like(add) if state is None else state
-            if base.shape != add.shape:
-                raise KVComposeError("accumulated-attention state out of step with the cache")
-            state = base
-        if self.normalize:
-            return state + add / g
-        return state + add
+        logits = torch.einsum("bhqd,bhtd->bhqt", qg, keys.float()) * step.scale
+        if step.mask is not None:
+            m = step.mask[:, :, None].expand(b, h, g, q, keys.shape[2]).reshape(b, h, g * q, -1)
+            logits = logits.masked_fill(~m, float("-inf"))
+        add = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=2)
+        if state.shape != add.shape:
+            raise KVComposeError("accumulated-attention state out of step with the cache")
+        return state + (add / g if self.normalize else add)
 
-    def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
-        acc = view.state.get(self.state_key)
-        if acc is None:
-            return torch.zeros(view.shape, device=view.keys.device)
+    def score(self, view: LayerView, state: Float[Tensor, "B H T"]) -> Float[Tensor, "B H T"]:
         if self.normalize:
             count = (view.seen - view.positions).clamp(min=1).float()
-            return acc / count
-        return acc
+            return state / count
+        return state
 
 
 class WindowedAttention(Scorer):
@@ -342,4 +312,6 @@ class RandomScore(Scorer):
     """Independent uniform random scores per row, KV head and token, drawn from the layer's generator."""
 
     def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
-        return torch.rand(view.shape, generator=view.generator, device="cpu").to(view.keys.device)
+        gen = view.generator
+        return torch.rand(view.shape, generator=gen, device=gen.device if gen is not None else view.device
+                          ).to(view.device)

@@ -1,9 +1,15 @@
-"""Selectors: `(scores, protected, valid, budget[B, H]) -> Long[B, H, K]` kept slot indices.
+"""Selectors: `(scores, protected, valid, budget[B, H]) -> (kept Long[B, H, K], order Long[B, H, T] | None)`.
 
-The returned indices are sorted ascending, i.e. in chronological order (slots are held in position
-order), so recency-based rules never see a shuffled cache (kvpress keeps top-k order). `K` is the
-largest budget; a head with a smaller budget pads its row with -1 at the end. Protected tokens are
-always kept; padding tokens are never kept in place of a real one.
+`kept` is sorted ascending, i.e. in chronological order (slots are held in position order), so
+recency-based rules never see a shuffled cache (kvpress keeps top-k order). `K` is the largest budget; a
+head with a smaller budget pads its row with -1 at the end. Protected tokens are kept first; padding
+tokens are never kept in place of a real one.
+
+`order` (asked for with `need_order=True`, e.g. when a tier store will hold what is not kept) is the full
+priority order of the slots: the kept ones first, then the others from most to least worth keeping
+(protected, then real tokens by priority, newest first among equal priorities, padding last). A tier store
+places the tokens that leave HBM by that same order, so HBM, host memory, the compressed tier and eviction
+all follow one ranking.
 """
 
 from __future__ import annotations
@@ -12,9 +18,46 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from .block import Block
 from .view import KVComposeError
 
-__all__ = ["Selector", "TopK", "Sample", "RandomDrop", "indices_from_priority"]
+__all__ = ["Selector", "TopK", "Sample", "RandomDrop", "indices_from_priority", "priority_order"]
+
+
+def _rand(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """Uniform draws from `generator` on the generator's own device, moved to `device`."""
+    dev = generator.device if generator is not None else device
+    return torch.rand(shape, generator=generator, device=dev).to(device)
+
+
+def priority_order(
+    priority: Float[Tensor, "B H T"], protected: Bool[Tensor, "B H T"], valid: Bool[Tensor, "B H T"]
+) -> Int[Tensor, "B H T"]:
+    """Slots from most to least worth keeping: protected, then real tokens by `priority` (newest first among
+    equal priorities), then padding."""
+    t = priority.shape[-1]
+    key = torch.nan_to_num(priority.float(), nan=-3e38, posinf=3e38, neginf=-3e38).flip(-1)
+    o = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    group = (valid.long() + (protected & valid).long()).flip(-1).gather(-1, o)
+    o = o.gather(-1, torch.sort(group, dim=-1, descending=True, stable=True).indices)
+    return (t - 1) - o
+
+
+def _kept_from_order(order: Int[Tensor, "B H T"], budget: Int[Tensor, "B H"]) -> Int[Tensor, "B H K"]:
+    t = order.shape[-1]
+    kmax = int(budget.max().clamp(max=t))
+    idx = order[..., :kmax]
+    keep = torch.arange(kmax, device=order.device)[None, None, :] < budget[..., None].clamp(max=t)
+    idx = torch.where(keep, idx, torch.full_like(idx, t)).sort(dim=-1).values
+    return torch.where(idx >= t, torch.full_like(idx, -1), idx)
+
+
+def _kept_first(order: Int[Tensor, "B H T"], kept: Int[Tensor, "B H K"]) -> Int[Tensor, "B H T"]:
+    """`order` with the kept slots moved to the front (both parts keep their relative order)."""
+    is_kept = torch.zeros(order.shape, dtype=torch.bool, device=order.device)
+    is_kept.scatter_(-1, kept.clamp(min=0), kept >= 0)
+    first = is_kept.gather(-1, order).to(torch.int8)
+    return order.gather(-1, torch.sort(first, dim=-1, descending=True, stable=True).indices)
 
 
 def indices_from_priority(
@@ -31,8 +74,9 @@ def indices_from_priority(
     return torch.where(idx >= t, torch.full_like(idx, -1), idx)
 
 
-class Selector:
-    """Base class. `needs_scores` says whether the pipeline must supply a scorer."""
+class Selector(Block):
+    """Base class. Subclasses implement `priority(scores, valid, generator) -> Float[B, H, T]`;
+    `needs_scores` says whether the pipeline must supply a scorer."""
 
     needs_scores: bool = True
 
@@ -51,22 +95,27 @@ class Selector:
         valid: Bool[Tensor, "B H T"],
         budget: Int[Tensor, "B H"],
         generator: torch.Generator | None = None,
-    ) -> Int[Tensor, "B H K"]:
+        need_order: bool = False,
+    ) -> tuple[Int[Tensor, "B H K"], Int[Tensor, "B H T"] | None]:
+        """`(kept, order)`: see the module docstring. Protected tokens beyond a head's budget (allowed only
+        when a tier store keeps what HBM does not) are ranked by priority among themselves."""
         if self.needs_scores and scores is None:
             raise KVComposeError(f"{type(self).__name__} needs scores but the pipeline has no scorer")
         if (budget <= 0).any():
             raise KVComposeError(f"budget must be positive, got min {int(budget.min())}")
-        n_protected = protected.sum(-1)
-        if (n_protected > budget).any():
-            raise KVComposeError(
-                f"{int(n_protected.max())} protected tokens do not fit in a budget of {int(budget.min())}"
-            )
-        pri = self.priority(scores, valid, generator).float()
-        # order: protected > other valid tokens (by priority) > padding
-        finite = torch.nan_to_num(pri, nan=-3e38, posinf=3e38, neginf=-3e38).clamp(-1e30, 1e30)
-        pri = torch.where(protected, torch.full_like(finite, 3e38), finite)
-        pri = torch.where(valid, pri, torch.full_like(finite, -3e38))
-        return indices_from_priority(pri, budget)
+        raw = self.priority(scores, valid, generator).float()
+        overflow = bool((protected.sum(-1) > budget).any())
+        if overflow or need_order:
+            order = priority_order(raw, protected, valid)
+        if overflow:
+            kept = _kept_from_order(order, budget)
+        else:
+            # order: protected > other valid tokens (by priority) > padding
+            finite = torch.nan_to_num(raw, nan=-3e38, posinf=3e38, neginf=-3e38).clamp(-1e30, 1e30)
+            pri = torch.where(protected, torch.full_like(finite, 3e38), finite)
+            pri = torch.where(valid, pri, torch.full_like(finite, -3e38))
+            kept = indices_from_priority(pri, budget)
+        return kept, (_kept_first(order, kept) if need_order else None)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -98,7 +147,7 @@ class Sample(Selector):
     def priority(self, scores, valid, generator):
         if (scores < 0).any():
             raise KVComposeError("Sample needs non-negative scores (it samples in proportion to them)")
-        u = torch.rand(scores.shape, generator=generator, device="cpu").to(scores.device)
+        u = _rand(tuple(scores.shape), generator, scores.device)
         gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
         return torch.log(scores.float() + self.eps) / self.temperature + gumbel
 
@@ -116,4 +165,4 @@ class RandomDrop(Selector):
     needs_scores = False
 
     def priority(self, scores, valid, generator):
-        return torch.rand(valid.shape, generator=generator, device="cpu").to(valid.device)
+        return _rand(tuple(valid.shape), generator, valid.device)

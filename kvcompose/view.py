@@ -1,21 +1,47 @@
-"""The `LayerView`: what every block sees of one layer's cache at a compression event.
+"""What blocks see: the `LayerView` of one layer at a compression event, the `AttentionStep` an observer
+sees at every attention call, and the `LayerSpec` a block's state is initialised from.
 
-Shapes: B batch rows, H KV heads, Hq query heads (Hq = H * G for grouped-query attention),
-T held tokens, D head dim, W buffered queries.
+Shapes: B batch rows, H KV heads, Hq query heads (Hq = H * G for grouped-query attention), T held tokens,
+D head dim, W buffered queries, Q new queries.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+__all__ = ["KVComposeError", "LayerView", "LayerSpec", "AttentionStep", "FAR_POSITION"]
+
+FAR_POSITION = 2**40
+"""Position of a padding slot of a ragged view (past a (row, head)'s tokens): later than any query, so causal
+masks hide it, and every row's positions stay ascending."""
+
 
 class KVComposeError(ValueError):
     """Raised for bad input: a bad budget, incompatible blocks, an unsupported model, a device/dtype mix."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Static facts about one layer's cache, given to `Block.init` (state is built from them).
+
+    Attributes:
+        layer_idx, num_layers: which decoder layer, of how many.
+        batch: B rows; heads: H KV heads; head_dim: D; value_dim: Dv.
+        device, dtype: of the layer's keys and values (state should live on `device`).
+    """
+
+    layer_idx: int
+    num_layers: int
+    batch: int
+    heads: int
+    head_dim: int
+    value_dim: int
+    device: torch.device
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -26,26 +52,26 @@ class LayerView:
         layer_idx: index of the decoder layer.
         num_layers: number of decoder layers in the model.
         keys: `[B, H, T, D]` held keys, after RoPE.
-        values: `[B, H, T, D]` held values.
+        values: `[B, H, T, Dv]` held values.
         positions: `[B, H, T]` original token position (index in the sequence of all tokens seen,
             padding included), ascending along T.
-        valid: `[B, H, T]` False for left-padding tokens (never worth keeping).
+        valid: `[B, H, T]` False for left-padding tokens and empty slots (never worth keeping).
         prompt_length: number of tokens of the first forward call (the prompt, padding included).
         queries: `[B, Hq, W, D]` the last W post-RoPE queries of this layer, oldest first, or None.
         query_positions: `[W]` positions of those queries.
         query_valid: `[B, W]` False where a buffered query belongs to a padding token.
         seen: number of tokens seen so far (held + evicted).
         scale: attention scaling (1/sqrt(D) unless the model says otherwise).
-        state: the layer's per-block state (e.g. accumulated attention), keyed by block key; token-aligned
-            tensors are `[B, H, T]`.
-        generator: the layer's random generator (seeded by the cache).
+        generator: the layer's random generator (seeded by the cache, on the layer's device).
         event: how many compression events this layer has run before this one.
+        rows: `[B]` the rows this event compresses (None: all of them); the other rows keep every token.
+        cache_budget: the budget the cache was given, before any per-layer schedule (None: none).
     """
 
     layer_idx: int
     num_layers: int
     keys: Float[Tensor, "B H T D"]
-    values: Float[Tensor, "B H T D"]
+    values: Float[Tensor, "B H T Dv"]
     positions: Int[Tensor, "B H T"]
     valid: Bool[Tensor, "B H T"]
     prompt_length: int
@@ -54,15 +80,20 @@ class LayerView:
     query_valid: Bool[Tensor, "B W"] | None
     seen: int
     scale: float
-    state: dict[str, Any] = field(default_factory=dict)
     generator: torch.Generator | None = None
     event: int = 0
+    rows: Bool[Tensor, " B"] | None = None
+    cache_budget: int | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """`(B, H, T)`."""
         b, h, t, _ = self.keys.shape
         return b, h, t
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
 
     @property
     def is_prompt(self) -> Bool[Tensor, "B H T"]:
@@ -75,3 +106,30 @@ class LayerView:
         if self.queries is None:
             return 1
         return self.queries.shape[1] // self.keys.shape[1]
+
+
+@dataclass(frozen=True)
+class AttentionStep:
+    """One attention call of a layer, as an observer (e.g. H2O's accumulated attention) sees it.
+
+    Attributes:
+        queries: `[B, Hq, Q, D]` the new post-RoPE queries.
+        keys: `[B, H, T, D]` every key they attended (held and fetched from tiers), in position order.
+        positions: `[B, H, T]` their original positions; valid: `[B, H, T]`.
+        mask: `[B, H, Q, T]` True where a query attended a key (None: every query saw every key).
+        scale: the attention scaling.
+    """
+
+    queries: Float[Tensor, "B Hq Q D"]
+    keys: Float[Tensor, "B H T D"]
+    positions: Int[Tensor, "B H T"]
+    valid: Bool[Tensor, "B H T"]
+    mask: Bool[Tensor, "B H Q T"] | None
+    scale: float
+
+    def full_mask(self) -> Bool[Tensor, "B H Q T"]:
+        """The mask, or an all-True one when every query saw every key."""
+        if self.mask is not None:
+            return self.mask
+        b, h, t, _ = self.keys.shape
+        return torch.ones(b, h, self.queries.shape[2], t, dtype=torch.bool, device=self.keys.device)

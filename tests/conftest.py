@@ -1,5 +1,7 @@
-"""Test setup: Triton runs in its CPU interpreter when there is no GPU (set before any @triton.jit import),
-and every kvcompose module is type- and shape-checked by jaxtyping + beartype."""
+"""Test setup: Triton runs in its CPU interpreter when there is no GPU (set before any @triton.jit import).
+Every kvcompose module is type- and shape-checked by jaxtyping + beartype for the whole session: the hook is
+installed by jaxtyping's pytest plugin (`--jaxtyping-packages` in pyproject.toml's addopts) before any test
+module is collected, so modules imported late are checked too (`tests/test_checking.py` proves it)."""
 
 import os
 
@@ -7,11 +9,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from jaxtyping import install_import_hook  # noqa: E402
-
-with install_import_hook("kvcompose", "beartype.beartype"):
-    import kvcompose  # noqa: F401,E402
 
 from hypothesis import settings  # noqa: E402
 

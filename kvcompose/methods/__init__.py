@@ -5,12 +5,12 @@ Read like optax's `alias.py`: `vase` = sinks + value protection + attention-weig
 
 from .baselines import full, h2o, snapkv, streaming_llm, tova, knorm
 from .reasoning import random_attention, rkv, vase
-from .hierarchy import Prioritized, memory_hierarchy, with_tier
+from .hierarchy import memory_hierarchy, with_tier
 from .allocation import growpage, pyramid_rkv, reason_alloc, with_allocator
 from .reco import Reco, RewardAllocator, reco  # not in PRESETS: reco returns a bundle, not a pipeline
 
 __all__ = ["full", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "rkv", "random_attention", "vase", "PRESETS",
-           "memory_hierarchy", "with_tier", "Prioritized", "pyramid_rkv", "reason_alloc", "growpage", "with_allocator",
+           "memory_hierarchy", "with_tier", "pyramid_rkv", "reason_alloc", "growpage", "with_allocator",
            "reco", "Reco", "RewardAllocator"]
 
 PRESETS = {

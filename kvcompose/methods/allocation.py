@@ -33,11 +33,7 @@ def with_allocator(base: Pipeline, allocator: Allocator, name: str | None = None
         raise KVComposeError(f"{base!r} never compresses: an allocator needs a pipeline with a selector")
     if not isinstance(base.allocator, Uniform):
         raise KVComposeError(f"{base!r} already has the allocator {base.allocator!r}; give a base with the default one")
-    blocks = [*base.protectors]
-    if base.scorer is not None:
-        blocks.append(base.scorer)
-    blocks += [base.selector, allocator, base.tier]
-    return Pipeline(*blocks, name=name or f"{base!r} + {allocator!r}")
+    return base.replace(allocator, name=name or f"{base!r} + {allocator!r}")
 
 
 def _recent_window(base: Pipeline, default: int = 8) -> int:
@@ -61,7 +57,7 @@ def reason_alloc(base: Pipeline | None = None, profile: str | os.PathLike | dict
                  layer_floor: int | float = 0.25, page_size: int = 16) -> Pipeline:
     """ReasonAlloc over `base` scoring (R-KV by default, as the paper): layer budgets follow a calibrated
     Reasoning-Wave profile (`ReasoningWave(profile)`, written by
-    `kvcompose.allocators.calibrate_reasoning_wave`), head budgets are reassigned at every compression event
+    `kvcompose.calibration.calibrate_reasoning_wave`), head budgets are reassigned at every compression event
     toward heads of high utility (`HeadUtility`, floor `floor` per head). Without `profile`, layers are uniform
     and only the head-wise part runs.
 

@@ -40,7 +40,7 @@ from jaxtyping import Int
 from torch import Tensor
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from ..allocators import Allocator, Uniform
+from ..allocators import Allocator, Uniform, layer_budget
 from ..cache import KVComposeCache
 from ..pipeline import Pipeline
 from ..reco import (
@@ -68,13 +68,6 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _ragged_storage() -> bool:
-    """Whether ragged paged storage (`kvcompose.storage.RaggedLayer`) is available to the cache."""
-    import importlib.util
-
-    return importlib.util.find_spec("kvcompose.storage") is not None
-
-
 class RewardAllocator(Allocator):
     """Step reward -> KV budget of the next compression event (ReCo's reward-coordinated compression).
 
@@ -95,19 +88,18 @@ class RewardAllocator(Allocator):
           every row holds; a low-reward row batched with a confident one is compressed harder than alone);
         * `"max"`: every row gets the largest per-row budget (dense storage; the cautious choice, the least
           confident row decides, as `RewardTracker.current_reward` does);
-        * `"row"`: each row its own budget. This sets `uniform_per_layer = False` on the instance, so
-          `KVComposeCache` stores every layer in ragged paged storage (`kvcompose.storage.RaggedLayer`),
-          where rows keep different lengths and memory follows their sum. Without ragged storage (an older
-          cache) it needs batch size 1, and `allocate` refuses `B > 1` with a `KVComposeError`.
+        * `"row"`: each row its own budget. This sets `uniform = False` on the instance, so
+          `KVComposeCache` stores every layer in paged storage (`kvcompose.stores.PagedStore`), where rows
+          keep different lengths and memory follows their sum.
     With `B = 1` the three policies give the same budgets.
 
-    Cache protocol (see `KVComposeCache.layer_budget` and `_schedule`): the cache asks
-    `layer_budget(l, L, budget)` for the layer's budget, uses it for the compression trigger and the
-    buffer capacity, and passes it to `pipeline.select` -> `allocate(view, that budget)`. `layer_budget`
-    returns the *cap* (the largest budget a row of the layer gets under the policy) and remembers
-    `(base_l, cap)`; `allocate(view, budget)` with `budget == cap` recomputes the per-row budgets from
-    `base_l` (so the schedule is applied once, not twice). Called directly with any other `budget`
-    (e.g. `pipeline.select(view, 128)` outside a cache), `budget` is taken as the base budget.
+    Cache protocol (the `LayerSchedule` capability): the layer asks `layer_budget(l, L, budget, seen)`
+    for its budget, uses it for the compression trigger and the buffer capacity, and passes it to
+    `pipeline.select` -> `allocate(view, that budget)`. `layer_budget` returns the *cap* (the largest budget
+    a row of the layer gets under the policy); `allocate(view, cap)` recomputes the per-row budgets from
+    the base `base_l` of the cache's budget (`view.cache_budget`), so the schedule is applied once, not
+    twice. Called with a view that carries no cache budget (e.g. `pipeline.select(view, 128)` outside a
+    cache), `budget` is taken as the base budget.
 
     Protection floor: a scheduled budget below what the pipeline's fixed-count protectors keep (R-KV's 8
     newest tokens) is raised to the smallest budget they fit in. The pipeline is learnt from `bind`
@@ -125,12 +117,10 @@ class RewardAllocator(Allocator):
             Default `RewardBudgetSchedule(1)` (linear from the full budget at reward <= 0.3 to half of it at
             reward >= 0.9).
         batch: `"min"`, `"max"` or `"row"` (above).
-        inner: optional per-layer allocator (`uniform_per_layer=True`, e.g. `Pyramid`) giving `base_l`.
+        inner: optional per-layer allocator (`uniform=True`, e.g. `Pyramid`) giving `base_l`.
 
     Shapes: `allocate(view, budget) -> Long[B, H]`.
     """
-
-    uniform_per_layer = True
 
     def __init__(
         self,
@@ -152,9 +142,9 @@ class RewardAllocator(Allocator):
                 raise KVComposeError(f"inner must be a kvcompose Allocator, got {type(inner).__name__}")
             if isinstance(inner, RewardAllocator):
                 raise KVComposeError("inner is already a RewardAllocator: wrap the underlying allocator once")
-            if not getattr(inner, "uniform_per_layer", True):
+            if not inner.uniform:
                 raise KVComposeError(
-                    f"{inner!r} gives heads of a layer different budgets (uniform_per_layer=False); "
+                    f"{inner!r} gives heads of a layer different budgets (uniform=False); "
                     "RewardAllocator can only wrap per-layer allocators"
                 )
             if isinstance(inner, Uniform):
@@ -162,12 +152,10 @@ class RewardAllocator(Allocator):
         self.tracker = tracker
         self.schedule = schedule if schedule is not None else RewardBudgetSchedule(1)
         self.batch: BatchPolicy = batch  # type: ignore[assignment]
-        if batch == "row":
-            self.uniform_per_layer = False  # per-row budgets: ragged paged storage
+        self.uniform = batch != "row"  # per-row budgets: paged storage
         self.inner = inner
         self.query_window = 0 if inner is None else int(getattr(inner, "query_window", 0))
-        self._fixed: Any = None  # pipeline.fixed_protection, set by bind()
-        self._last: dict[int, tuple[int, int]] = {}  # layer -> (base, cap) of the latest layer_budget call
+        self._fixed: Any = None  # pipeline.fixed_protection, set by bind() (configuration, not state)
 
     # -- wiring ----------------------------------------------------------------------------------
     def bind(self, pipeline: Pipeline) -> None:
@@ -204,35 +192,30 @@ class RewardAllocator(Allocator):
         return [self.budget_for(r, base) for r in rewards]
 
     def _base(self, layer_idx: int, num_layers: int, budget: int) -> int:
-        base = self.inner.layer_budget(layer_idx, num_layers, budget) if self.inner is not None else budget
+        base = layer_budget(self.inner, layer_idx, num_layers, budget, 0) if self.inner is not None else budget
         if not _is_int(base) or base <= 0:
             raise KVComposeError(f"RewardAllocator needs a positive int base budget, got {base!r}")
         return int(base)
 
-    def layer_budget(self, layer_idx: int, num_layers: int, budget: int) -> int:
+    def layer_budget(self, layer_idx: int, num_layers: int, budget: int | None, seen: int) -> int:
         """The budget layer `layer_idx` may hold at the next compression event: the largest per-row budget
         under the batch policy (`"min"`: the smallest row budget). The cache uses it for the compression
         trigger and buffer capacity, and passes it back to `allocate`."""
+        if budget is None:
+            raise KVComposeError(f"{self!r} scales the cache's budget: give KVComposeCache a budget=...")
         base = self._base(layer_idx, num_layers, budget)
         rows = self.row_budgets(base)
-        cap = min(rows) if self.batch == "min" else max(rows)
-        self._last[layer_idx] = (base, cap)
-        return cap
+        return min(rows) if self.batch == "min" else max(rows)
 
     def allocate(self, view: LayerView, budget: int) -> Int[Tensor, "B H"]:
         b, h, _ = view.shape
         if not _is_int(budget) or budget <= 0:
             raise KVComposeError(f"RewardAllocator: budget must be a positive int, got {budget!r}")
-        if self.batch == "row" and b > 1 and not _ragged_storage():
-            raise KVComposeError(
-                f"RewardAllocator(batch='row') needs batch size 1 ({b} rows given): per-row budgets inside one "
-                "layer need ragged storage (kvcompose.storage), which this installation lacks; use batch='min' or 'max'"
-            )
-        last = self._last.get(view.layer_idx)
-        if last is not None and last[1] == budget:
-            base, cap = last
-        else:  # called outside the cache protocol: `budget` is the base budget
-            base, cap = budget, budget
+        cap = budget
+        if view.cache_budget is not None:
+            base = self._base(view.layer_idx, view.num_layers, view.cache_budget)
+        else:  # called outside a cache: `budget` is the base budget
+            base = budget
         rows = self.row_budgets(base, b)
         if self.batch == "min":
             rows = [min(rows)] * b

@@ -1,0 +1,348 @@
+"""Per-head and per-request budgets: `HeadUtility` (ReasonAlloc's online head reallocation) and `GrowPage`
+(on-demand pages). Both use paged storage (`uniform = False`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from ..block import LayerSchedule
+from ..kernels import window_attention_scores
+from ..view import KVComposeError, LayerSpec, LayerView
+from .base import Allocator, _check_budget, _is_int, _share, round_to_total
+
+__all__ = ["HeadUtility", "GrowPage"]
+
+
+def _coverage_mask(p: Float[Tensor, "B H T"], coverage: float) -> Bool[Tensor, "B H T"]:
+    """True for the smallest set of largest entries of each row that covers `coverage` of its mass."""
+    s, idx = p.sort(dim=-1, descending=True)
+    cum = s.cumsum(-1)
+    inside = (cum - s) < coverage * cum[..., -1:]
+    inside &= s > 0
+    return torch.zeros_like(inside).scatter_(-1, idx, inside)
+
+
+class HeadUtility(Allocator):
+    """ReasonAlloc's online head-wise reallocation: at each compression event a layer's total
+    (`H * layer_budget` per row) moves toward the KV heads of high utility, with a floor per head.
+
+    ReasonAlloc (abstract only): "head budgets are reassigned online to high-utility heads, with protection
+    against starvation". Utility here is measured on the attention of the last `window` queries (mean over
+    the GQA group and the queries, `[B, H, T]`):
+
+    - `"mass"` (default): water-filling. Every head first gets the floor; the remaining slots of the row go,
+      one by one, to the (head, token) pairs of largest attention among tokens each head does not yet keep.
+      This maximises the attention mass the kept sets cover (the mass outside each head's top-k).
+    - `"entropy"`: budgets in proportion to each head's effective support `exp(entropy)` of its attention.
+
+    Per layer the budgets come from `layers` (e.g. `ReasoningWave`); heads of one row always sum to exactly
+    `H * layer_budget`. Storage is ragged (memory follows the sum of per-head budgets).
+
+    Args:
+        layers: per-layer schedule (None: uniform layers).
+        floor: per-head minimum, tokens (int) or a share of the layer budget (float, default 0.25).
+        utility: "mass" or "entropy".
+        window: queries the utility looks at (ring-buffer size).
+        page_size: page size of the ragged storage, tokens.
+    """
+
+    uniform = False
+
+    def __init__(self, layers: Allocator | None = None, floor: int | float = 0.25,
+                 utility: Literal["mass", "entropy"] = "mass", window: int = 32, page_size: int = 16):
+        if layers is not None and (not isinstance(layers, Allocator) or not layers.uniform
+                                   or not isinstance(layers, LayerSchedule)):
+            raise KVComposeError("HeadUtility: layers must be a per-layer Allocator (e.g. ReasoningWave, Pyramid)")
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)):
+            raise KVComposeError(f"HeadUtility: floor must be an int or a float share, got {floor!r}")
+        if (isinstance(floor, float) and not 0.0 < floor <= 1.0) or (isinstance(floor, int) and floor <= 0):
+            raise KVComposeError(f"HeadUtility: floor must be a positive int or a share in (0, 1], got {floor!r}")
+        if utility not in ("mass", "entropy"):
+            raise KVComposeError(f"HeadUtility: utility must be 'mass' or 'entropy', got {utility!r}")
+        if not _is_int(window) or window <= 0:
+            raise KVComposeError(f"HeadUtility: window must be a positive int, got {window!r}")
+        if not _is_int(page_size) or page_size <= 0:
+            raise KVComposeError(f"HeadUtility: bad page size {page_size!r}: a positive int")
+        self.layers, self.floor, self.utility, self.window = layers, floor, utility, window
+        self.query_window = window
+        self.page_size = page_size
+
+    def layer_budget(self, layer_idx: int, num_layers: int, budget: int | None, seen: int) -> int | None:
+        if self.layers is None:
+            return budget
+        return self.layers.layer_budget(layer_idx, num_layers, budget, seen)
+
+    def floor_tokens(self, budget: int) -> int:
+        """The per-head floor at a layer budget."""
+        return max(1, _share(self.floor, budget))
+
+    def check(self, pipeline: Any, budget: int | None, num_layers: int, num_heads: int) -> None:
+        super().check(pipeline, budget, num_layers, num_heads)
+        if budget is None:
+            return
+        for i, b in enumerate(self.layer_budgets(num_layers, budget)):
+            f = self.floor_tokens(b)
+            if f * num_heads > b * num_heads:
+                raise KVComposeError(
+                    f"HeadUtility: floor * heads = {f} * {num_heads} > total {b * num_heads} of layer {i}"
+                )
+            fixed = pipeline.fixed_protection(f)
+            if fixed > f:
+                raise KVComposeError(
+                    f"HeadUtility: a head at its floor ({f} tokens) cannot hold the {fixed} tokens the "
+                    "protectors always keep: raise the floor"
+                )
+
+    def utilities(self, view: LayerView) -> Float[Tensor, "B H T"] | None:
+        """Attention of the last `window` queries per KV head (mean over group and queries), or None."""
+        if view.queries is None or view.queries.shape[2] == 0:
+            return None
+        return window_attention_scores(
+            view.queries[:, :, -self.window:], view.keys, view.positions, view.valid,
+            view.query_positions[-self.window:], view.query_valid[:, -self.window:], view.scale,
+            gqa="mean", pool="none",
+        )
+
+    def allocate(self, view: LayerView, budget: int) -> Int[Tensor, "B H"]:
+        b, h, t = view.shape
+        dev = view.keys.device
+        f = self.floor_tokens(budget)
+        if f > budget:
+            raise KVComposeError(f"HeadUtility: floor * heads = {f} * {h} > total {budget * h}")
+        total = h * budget
+        p = self.utilities(view)
+        if p is None:
+            return torch.full((b, h), budget, dtype=torch.long, device=dev)
+        p = p.float() * view.valid
+        if self.utility == "entropy":
+            mass = p.sum(-1, keepdim=True).clamp(min=1e-30)
+            q = p / mass
+            ent = -(q * q.clamp(min=1e-30).log()).sum(-1)
+            eff = ent.exp()  # [B, H], effective number of keys
+            raw = f + (total - h * f) * eff / eff.sum(-1, keepdim=True)
+            return round_to_total(raw.double(), torch.full((b,), total, dtype=torch.long, device=dev))
+        extra = total - h * f
+        counts = torch.zeros(b, h, dtype=torch.long, device=dev)
+        if t > f and extra > 0:
+            s = p.sort(dim=-1, descending=True).values[..., f:]  # [B, H, T - f]: tokens beyond the floor
+            n_valid = view.valid.sum(-1, keepdim=True)
+            rank = torch.arange(f, t, device=dev)
+            s = torch.where(rank[None, None, :] < n_valid, s, torch.full_like(s, -1.0))  # no phantom tokens
+            k = min(extra, s.shape[1] * s.shape[2])
+            top = s.reshape(b, -1).topk(k, dim=-1)
+            head = top.indices // (t - f)
+            useful = top.values >= 0
+            counts.scatter_add_(-1, head, useful.long())
+        left = total - h * f - counts.sum(-1)  # slots no head can use yet: spread evenly (heads will grow)
+        even = left // h
+        rest = left - even * h
+        bonus = (torch.arange(h, device=dev)[None, :] < rest[:, None]).long()
+        return f + counts + even[:, None] + bonus
+
+    def __repr__(self) -> str:
+        layers = "" if self.layers is None else f"{self.layers!r}, "
+        return f"HeadUtility({layers}floor={self.floor}, utility={self.utility!r}, window={self.window})"
+
+
+# ------------------------------------------------------------------------------------------- GrowPage
+class GrowPage(Allocator):
+    """GrowPage: on-demand capacity; each (request, KV head) budget grows or shrinks one page at a time.
+
+    GrowPage (abstract only, no public code): "per-request budgets grow by pages; fast and slow
+    query summaries estimate the attention working set; at a capacity boundary, compress or take a page".
+    kvcompose's reading, per layer:
+
+    - State (in the layer's cache state): a fast and a slow exponential moving average of the post-RoPE
+      queries of every query head (`[B, Hq, D]`, rates `fast` and `slow` per decoded token, updated at each
+      compression event from the queries decoded since the last one, which the ring buffer of `window >=
+      interval` queries holds exactly), the same EMAs of the squared query norms, and the pages of each
+      (row, KV head).
+    - Each timescale summarises the queries as a Gaussian `N(mu, sigma^2 I)` (mean and spread from the two
+      EMAs). A query drawn from it gives key `k` the expected softmax numerator
+      `exp(s mu.k + s^2 sigma^2 |k|^2 / 2)` (log-normal mean, s the attention scale): a broad query
+      distribution reaches more keys than its mean query would (`spread=False` drops the variance term).
+    - Working set of a head: the union of the keys covering `coverage` of the fast and of the slow
+      expected attention (mean over the query group). When the fast summary drifts from the slow one (a
+      new phase of the reasoning) or spreads, the union broadens.
+    - At a compression event (the capacity boundary: some head holds more than its pages), every head whose
+      working set needs more pages than it has asks for one more page; the layer's pool grants requests,
+      largest deficit first, while the global cap `cap * B * H * budget` tokens across the batch allows;
+      the others compress inside their allocation. With `shrink`, a head whose working set needs at least
+      two pages fewer returns one page to the pool (it is reused by the next grant).
+    - Budget of a head = its pages * page size; the storage is paged with the same page size.
+
+    Args:
+        page: tokens per page (16).
+        initial: starting pages per head, as a share of the cache budget (0.5) rounded down to pages.
+        cap: the layer's pool across the batch, as a multiple of the uniform total `B * H * budget` (1.0:
+            never more than `Uniform` at the same budget).
+        floor: fewest pages a head keeps (1).
+        coverage: attention mass the working set must cover (0.9).
+        fast: EMA rate of the fast query summary per decoded token (0.25).
+        slow: EMA rate of the slow query summary per decoded token (0.01).
+        shrink: return pages when the working set narrows.
+        window: query ring-buffer size; at least the cache's interval for exact EMAs.
+        spread: include the query spread (variance) in the expected attention.
+    """
+
+    uniform = False
+
+    def __init__(self, page: int = 16, initial: int | float = 0.5, cap: int | float = 1.0, floor: int = 1,
+                 coverage: int | float = 0.9, fast: float = 0.25, slow: float = 0.01, shrink: bool = True,
+                 window: int = 64, spread: bool = True):
+        if not _is_int(page) or page <= 0:
+            raise KVComposeError(f"GrowPage: bad page size {page!r}: a positive int of tokens")
+        for name, v in (("initial", initial), ("cap", cap)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise KVComposeError(f"GrowPage: {name} must be a positive number, got {v!r}")
+        if initial > cap:
+            raise KVComposeError(f"GrowPage: initial {initial} exceeds the cap {cap}")
+        if not _is_int(floor) or floor <= 0:
+            raise KVComposeError(f"GrowPage: floor must be a positive int of pages, got {floor!r}")
+        if not 0.0 < coverage <= 1.0:
+            raise KVComposeError(f"GrowPage: coverage must be in (0, 1], got {coverage}")
+        if not (0.0 < slow < 1.0 and 0.0 < fast < 1.0):
+            raise KVComposeError(f"GrowPage: EMA rates must be in (0, 1), got fast={fast}, slow={slow}")
+        if not _is_int(window) or window <= 0:
+            raise KVComposeError(f"GrowPage: window must be a positive int, got {window!r}")
+        self.page_size = page
+        self.initial, self.cap, self.floor, self.coverage = float(initial), float(cap), floor, coverage
+        self.fast, self.slow, self.shrink, self.window, self.spread = fast, slow, shrink, window, spread
+        self.query_window = window
+
+    # -- sizes ----------------------------------------------------------------------------------------
+    def initial_pages(self, budget: int) -> int:
+        return max(self.floor, int(self.initial * budget) // self.page_size)
+
+    def cap_pages(self, budget: int, batch: int, heads: int) -> int:
+        """The layer's page pool across the batch (the global cap)."""
+        return int(self.cap * batch * heads * budget) // self.page_size
+
+    def initial_limits(self, budget: int, batch: int, heads: int, device: torch.device) -> Int[Tensor, "B H"]:
+        return torch.full((batch, heads), self.initial_pages(budget) * self.page_size, dtype=torch.long, device=device)
+
+    def check(self, pipeline: Any, budget: int | None, num_layers: int, num_heads: int) -> None:
+        if budget is None:
+            raise KVComposeError("GrowPage needs a budget: the cap is a multiple of the uniform total at that budget")
+        _check_budget(budget, "GrowPage")
+        if self.page_size > budget:
+            raise KVComposeError(f"GrowPage: bad page size {self.page_size}: larger than the budget {budget}")
+        init = self.initial_pages(budget)
+        if init * num_heads > self.cap_pages(budget, 1, num_heads):
+            raise KVComposeError(
+                f"GrowPage: {init} initial pages x {num_heads} heads exceed the cap of "
+                f"{self.cap_pages(budget, 1, num_heads)} pages per row at page size {self.page_size}"
+            )
+        fixed = pipeline.fixed_protection(self.floor * self.page_size)
+        if fixed > self.floor * self.page_size:
+            raise KVComposeError(
+                f"GrowPage: a head at its floor ({self.floor} pages of {self.page_size}) cannot hold the {fixed} "
+                "tokens the protectors always keep: raise floor or page"
+            )
+
+    # -- summaries --------------------------------------------------------------------------------------
+    @staticmethod
+    def _ema_update(state: dict[str, Tensor], name: str, rate: float, q: Float[Tensor, "B Hq W D"],
+                    new: Bool[Tensor, "B W"]) -> None:
+        """`ema <- (1 - r)^n ema + sum_i r (1 - r)^(n - 1 - i) q_i` over the n new valid queries of each row,
+        with the same recursion on the squared query norms and on the total weight (bias correction)."""
+        newf = new.float()
+        after = newf.flip(-1).cumsum(-1).flip(-1) - newf  # valid new queries after each one
+        w = rate * (1.0 - rate) ** after * newf  # [B, W]
+        decay = (1.0 - rate) ** newf.sum(-1)  # [B]
+        qf = q.float()
+        s = torch.einsum("bw,bhwd->bhd", w, qf)
+        n = torch.einsum("bw,bhw->bh", w, qf.pow(2).sum(-1))
+        if name not in state:
+            state[name] = torch.zeros_like(s)
+            state[name + "_sq"] = torch.zeros_like(n)
+            state[name + "_mass"] = torch.zeros_like(decay)
+        state[name] = state[name] * decay[:, None, None] + s
+        state[name + "_sq"] = state[name + "_sq"] * decay[:, None] + n
+        state[name + "_mass"] = state[name + "_mass"] * decay + w.sum(-1)
+
+    @staticmethod
+    def summary(state: dict[str, Tensor], name: str) -> tuple[Float[Tensor, "B Hq D"], Float[Tensor, "B Hq"]]:
+        """Mean `mu` and per-dimension variance `sigma^2` of the queries of one timescale (`"fast"`/`"slow"`)."""
+        m = state[name + "_mass"].clamp(min=1e-12)[:, None]
+        mu = state[name] / m[..., None]
+        var = ((state[name + "_sq"] / m - mu.pow(2).sum(-1)) / mu.shape[-1]).clamp(min=0.0)
+        return mu, var
+
+    def expected_attention(self, view: LayerView, mu: Float[Tensor, "B Hq D"],
+                           var: Float[Tensor, "B Hq"]) -> Float[Tensor, "B H T"]:
+        """Attention a query drawn from `N(mu, var I)` gives each held key, in expectation of the softmax
+        numerator: `exp(s mu.k + s^2 var |k|^2 / 2)` (log-normal mean), normalised over keys, mean over the
+        query group."""
+        b, h, t, d = view.keys.shape
+        g = mu.shape[1] // h
+        k = view.keys.float()
+        s = view.scale
+        logits = torch.einsum("bhgd,bhtd->bhgt", mu.reshape(b, h, g, d), k) * s
+        logits = logits + 0.5 * s * s * var.reshape(b, h, g)[..., None] * k.pow(2).sum(-1)[:, :, None, :]
+        ok = (view.valid & (view.positions < view.seen))[:, :, None, :]
+        p = torch.softmax(logits.masked_fill(~ok, float("-inf")), dim=-1).nan_to_num(0.0)
+        return p.mean(2)
+
+    def working_set(self, view: LayerView, state: dict[str, Tensor]) -> Int[Tensor, "B H"]:
+        """Keys (per row and KV head) that cover `coverage` of the expected attention of the fast or of the
+        slow query summary (the union of the two sets)."""
+        b, h, t = view.shape
+        union = torch.zeros(b, h, t, dtype=torch.bool, device=view.keys.device)
+        if view.queries is None or "fast" not in state:
+            return view.valid.sum(-1)
+        for name in ("fast", "slow"):
+            mu, var = self.summary(state, name)
+            union |= _coverage_mask(self.expected_attention(view, mu, var if self.spread else var * 0), self.coverage)
+        return union.sum(-1)
+
+    # -- the decision -----------------------------------------------------------------------------------
+    def init(self, spec: LayerSpec) -> dict[str, Any]:
+        """Empty per-layer state: query summaries and page counts appear at the first event."""
+        return {}
+
+    def allocate(self, view: LayerView, budget: int, state: dict[str, Any] | None = None
+                 ) -> tuple[Int[Tensor, "B H"], dict[str, Any]]:
+        if not isinstance(state, dict):
+            raise KVComposeError("GrowPage keeps per-layer state: call it through a Pipeline, which threads it")
+        state = dict(state)
+        b, h, _ = view.shape
+        dev = view.keys.device
+        pgs = self.page_size
+        if view.queries is not None:
+            last = state.get("last", -1)
+            new = view.query_valid & (view.query_positions > last)[None, :]
+            self._ema_update(state, "fast", self.fast, view.queries, new)
+            self._ema_update(state, "slow", self.slow, view.queries, new)
+            state["last"] = int(view.query_positions[-1])
+        pages = state.get("pages")
+        if pages is None or pages.shape != (b, h):
+            pages = torch.full((b, h), self.initial_pages(budget), dtype=torch.long, device=dev)
+        act = torch.ones(b, dtype=torch.bool, device=dev) if view.rows is None else view.rows.to(dev)
+        ws = self.working_set(view, state)
+        want = ((ws + pgs - 1) // pgs).clamp(min=self.floor)
+        if self.shrink:
+            give_back = (want <= pages - 2) & act[:, None]
+            pages = torch.where(give_back, pages - 1, pages).clamp(min=self.floor)
+            state["returned"] = state.get("returned", 0) + int(give_back.sum())
+        deficit = (want - pages).clamp(min=0) * act[:, None]
+        free = self.cap_pages(budget, b, h) - int(pages.sum())
+        n_req = int((deficit > 0).sum())
+        if n_req and free > 0:
+            order = torch.sort(deficit.reshape(-1), descending=True, stable=True).indices
+            grant = torch.zeros(b * h, dtype=torch.long, device=dev)
+            grant[order[: min(free, n_req)]] = 1
+            pages = pages + grant.reshape(b, h)
+            state["granted"] = state.get("granted", 0) + int(grant.sum())
+        state["denied"] = state.get("denied", 0) + max(0, n_req - max(free, 0))
+        state["pages"] = pages
+        return pages * pgs, state
+
+    def __repr__(self) -> str:
+        return (f"GrowPage(page={self.page_size}, initial={self.initial:g}, cap={self.cap:g}, "
+                f"coverage={self.coverage:g}, fast={self.fast:g}, slow={self.slow:g}, shrink={self.shrink}, "
+                f"spread={self.spread})")

@@ -1,0 +1,93 @@
+"""The base of every block, and the optional capabilities a block may have.
+
+A block is a small transformation with explicit state, as in optax: `init(spec)` builds the block's state
+for one layer (None for a stateless block) and every call that changes state returns the new state. The
+state never lives on the block object, so one block (and one `Pipeline`) serves every layer, row and
+branch; the `Pipeline` threads each part's state and checks that state and parts match.
+
+Two kinds of state:
+- **layer state**: whatever `init` returns (e.g. GrowPage's page counts and query summaries), threaded by
+  the pipeline per layer and per tree node. Tensors with a batch axis keep it first (`map_rows` reorders
+  them for beam search).
+- **token state**: `token_state = C > 0` float32 channels per held token (e.g. H2O's accumulated attention,
+  C = 1). The layer's store carries them with their tokens through every append, compaction, tier move and
+  batch operation; the block sees them as `[B, H, T]` (C = 1) or `[B, H, T, C]`.
+
+Composite blocks (a weighted sum of scorers, a block-granular selector around another selector) list their
+parts in `children()`; their state is the tuple of their children's states.
+
+Optional capabilities are `typing.Protocol` classes checked with `isinstance`: `Observer` (sees every
+attention step) and `LayerSchedule` (gives each layer its own budget).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields, is_dataclass, replace
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from .view import AttentionStep, LayerSpec
+
+__all__ = ["Block", "Observer", "LayerSchedule", "map_row_tensors"]
+
+
+def map_row_tensors(state: Any, fn: Callable[[Tensor], Tensor], batch: int) -> Any:
+    """Apply a batch-row operation to every tensor with a leading batch axis of size `batch` inside nested
+    tuples, lists, dicts and dataclasses (other leaves are returned as they are)."""
+    if isinstance(state, Tensor):
+        return fn(state) if state.dim() >= 1 and state.shape[0] == batch else state
+    if isinstance(state, dict):
+        return {k: map_row_tensors(v, fn, batch) for k, v in state.items()}
+    if isinstance(state, (tuple, list)):
+        return type(state)(map_row_tensors(v, fn, batch) for v in state)
+    if is_dataclass(state) and not isinstance(state, type):
+        return replace(state, **{f.name: map_row_tensors(getattr(state, f.name), fn, batch) for f in fields(state)
+                                 if f.init})
+    return state
+
+
+class Block:
+    """Base of Scorer, Protector, Selector, Allocator and TierStore.
+
+    Class attributes:
+        token_state: float32 channels per held token this block keeps (0: none).
+        query_window: how many recent post-RoPE queries the block reads (the layer keeps a ring buffer).
+    """
+
+    token_state: int = 0
+    query_window: int = 0
+
+    def init(self, spec: LayerSpec) -> Any:
+        """The block's layer state for a fresh layer (None: stateless, or token state only)."""
+        return None
+
+    def children(self) -> tuple["Block", ...]:
+        """Parts of a composite block (their states form this block's state, in order)."""
+        return ()
+
+    def map_rows(self, state: Any, fn: Callable[[Tensor], Tensor], batch: int) -> Any:
+        """Reorder / select batch rows of this block's layer state (beam search, `batch_select_indices`)."""
+        return map_row_tensors(state, fn, batch)
+
+    @property
+    def takes_state(self) -> bool:
+        """True when the block's calls take its state (it has token state, layer state or parts)."""
+        return bool(self.token_state) or type(self).init is not Block.init or bool(self.children())
+
+
+@runtime_checkable
+class Observer(Protocol):
+    """A block that sees every attention call of its layer and updates its state (e.g. H2O's
+    accumulated attention): `observe(state, step) -> state`."""
+
+    def observe(self, state: Any, step: AttentionStep) -> Any: ...
+
+
+@runtime_checkable
+class LayerSchedule(Protocol):
+    """An allocator that gives each layer its own budget: `layer_budget(layer_idx, num_layers, budget,
+    seen) -> int` (PyramidKV, ReasonAlloc's wave, a share of the tokens seen)."""
+
+    def layer_budget(self, layer_idx: int, num_layers: int, budget: int | None, seen: int) -> int: ...

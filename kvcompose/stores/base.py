@@ -1,0 +1,98 @@
+"""The storage protocol every layer layout implements, and the bundle of tokens a store hands out.
+
+A store holds one layer's tokens of one segment (the whole cache, or one node of a search tree): keys
+(after RoPE), values, each token's original position and padding flag, and the float32 channels of
+token-aligned block state (e.g. H2O's accumulated attention), which follow their tokens through every
+operation. Stores know nothing of scoring, blocks or the layer that drives them.
+
+Shapes: B batch rows, H KV heads, T slots of the padded view (the longest (row, head)), D / Dv key / value
+head dims, C channels of token-aligned block state, Q new tokens, K kept slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, Protocol, runtime_checkable
+
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from ..view import FAR_POSITION
+
+__all__ = ["StoreView", "KVStore", "FAR_POSITION"]
+
+
+class StoreView(NamedTuple):
+    """A padded view of a store's tokens: `keys [B, H, T, D]`, `values [B, H, T, Dv]`, `positions
+    [B, H, T]` (ascending along T; `FAR_POSITION + t` past a head's length) and `valid [B, H, T]` (False
+    for left padding and for slots past a head's length)."""
+
+    keys: Float[Tensor, "B H T D"]
+    values: Float[Tensor, "B H T Dv"]
+    positions: Int[Tensor, "B H T"]
+    valid: Bool[Tensor, "B H T"]
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """One layer's tokens in one layout (`DenseStore`: one length per layer; `PagedStore`: a length per
+    (row, KV head), pages from a pool). The layer core (`kvcompose.layer`) drives either through this
+    protocol only.
+
+    Indices handed to `compact` and read from `view` are slots of the padded view, per (row, head).
+    """
+
+    batch: int
+    heads: int
+    channels: int
+
+    @property
+    def held(self) -> int:
+        """T: slots of the padded view (the longest (row, head))."""
+
+    @property
+    def lengths(self) -> Int[Tensor, "B H"]:
+        """Tokens held per (row, KV head)."""
+
+    @property
+    def ragged(self) -> bool:
+        """True when the view has slots that are not real tokens (padding rows or unequal head lengths):
+        attention must then be masked."""
+
+    def view(self) -> StoreView:
+        """The held tokens as a padded view (no copy where the layout allows)."""
+
+    def read_channels(self) -> Float[Tensor, "B H T C"]:
+        """Token-aligned block state of the held tokens (zeros past a head's length)."""
+
+    def write_channels(self, x: Float[Tensor, "B H T C"]) -> None:
+        """Replace the token-aligned block state of the held tokens."""
+
+    def append(self, keys: Float[Tensor, "B H Q D"], values: Float[Tensor, "B H Q Dv"],
+               positions: Int[Tensor, " Q"], valid: Bool[Tensor, "B Q"] | None = None) -> None:
+        """Append Q new tokens after every (row, head)'s own length; their channels start at 0."""
+
+    def set_tail_valid(self, valid: Bool[Tensor, "B Q"]) -> None:
+        """Set the padding flags of the newest Q tokens of every head of each row."""
+
+    def compact(self, kept: Int[Tensor, "B H K"]) -> None:
+        """Keep the view slots `kept` (ascending, -1 padded) of every (row, head); free the rest."""
+
+    def assign(self, view: StoreView, channels: Float[Tensor, "B H T C"] | None,
+               lengths: Int[Tensor, "B H"]) -> None:
+        """Replace the content by the first `lengths[b, h]` slots of a padded view."""
+
+    def crop(self, n: int) -> None:
+        """Drop the newest `n` slots of every (row, head)."""
+
+    def trim(self) -> None:
+        """Free spare capacity (slots or pages beyond the tokens held)."""
+
+    def map_rows(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """Reorder / select / repeat batch rows (`fn` acts on dim 0 of every tensor)."""
+
+    def nbytes(self) -> int:
+        """Bytes of the K/V of the tokens held."""
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the K/V buffers (held tokens plus free slots or pages)."""

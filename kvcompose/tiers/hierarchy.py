@@ -1,0 +1,157 @@
+"""`Hierarchy`: the memory hierarchy of "Not All Thoughts Need HBM" (abstract only): HBM, host,
+compressed, evicted, all by one ranking."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from jaxtyping import Int
+from torch import Tensor
+
+from ..view import FAR_POSITION, KVComposeError
+from .base import TierStore, TierTokens, bump, track
+from .compressed import CompressedTier
+from .host import HostTier
+
+__all__ = ["Hierarchy", "floor_share", "check_ratio"]
+
+
+def floor_share(ratio: float, seen: int) -> int:
+    """`floor(ratio * seen)` (with a tolerance for binary fractions such as 0.1 * 30)."""
+    return int((ratio * seen + 1e-9) // 1)
+
+
+def check_ratio(x: Any, name: str) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0.0 <= x <= 1.0 or x != x:
+        raise KVComposeError(f"{name} must be a number in [0, 1], got {x!r}")
+    return float(x)
+
+
+def _slice(tokens: TierTokens, start: Int[Tensor, "B H"], count: Int[Tensor, "B H"]) -> TierTokens:
+    """Per (row, head), the `count` tokens from slot `start` on; heads with fewer are padded (valid False,
+    positions past every real one)."""
+    b, h, n = tokens.positions.shape
+    m = int(count.max()) if count.numel() and n else 0
+    j = torch.arange(m, device=start.device)
+    idx = (start[..., None] + j).clamp(max=max(n - 1, 0))
+    out = tokens.take(idx)
+    inside = j < count[..., None]
+    if bool(inside.all()):
+        return out
+    pad_pos = torch.full_like(out.positions, FAR_POSITION) + j
+    return TierTokens(out.keys, out.values, torch.where(inside, out.positions, pad_pos), out.valid & inside,
+                      out.channels)
+
+
+class Hierarchy(TierStore):
+    """The memory hierarchy of "Not All Thoughts Need HBM" (abstract only): HBM, host, compressed, evicted.
+
+    HBM holds what the pipeline keeps (its allocator gives the budget; `SeenShare(hbm_ratio, ...)` holds a
+    share of the tokens seen, as the paper does). The other candidates arrive in the pipeline's priority
+    order and fill, in that order, host memory, then the compressed tier (`floor(compressed_ratio * seen)`
+    tokens), and the last `floor(evict_ratio * seen)` of all candidates are evicted. Shares are of all tokens
+    seen so far by the layer (padding included) and are re-applied at every compression event. The number
+    evicted depends on `evict_ratio` and `seen` only, and with one ranking so does the evicted set: the HBM
+    share changes where a token lives, never what attention computes (host tokens come back exact).
+
+    Args:
+        compressed_ratio: share held quantized; evict_ratio: share evicted (both of the tokens seen).
+        host: the host store (default `HostTier()`); compressed: the compressed store (default
+            `CompressedTier(bits=8)`).
+
+    Raises `KVComposeError` for a ratio outside [0, 1] or ratios that sum to more than 1.
+    """
+
+    holds_tokens = True
+    tier_names = ("host", "compressed")
+
+    def __init__(self, compressed_ratio: int | float = 0.0, evict_ratio: int | float = 0.0, *,
+                 host: HostTier | None = None, compressed: CompressedTier | None = None):
+        self.compressed_ratio = check_ratio(compressed_ratio, "compressed_ratio")
+        self.evict_ratio = check_ratio(evict_ratio, "evict_ratio")
+        if self.compressed_ratio + self.evict_ratio > 1.0 + 1e-9:
+            raise KVComposeError(f"compressed_ratio + evict_ratio must be at most 1, got "
+                                 f"{self.compressed_ratio} + {self.evict_ratio}")
+        if host is not None and not isinstance(host, HostTier):
+            raise KVComposeError(f"host must be a HostTier, got {type(host).__name__}")
+        if compressed is not None and not isinstance(compressed, CompressedTier):
+            raise KVComposeError(f"compressed must be a CompressedTier, got {type(compressed).__name__}")
+        self.host = host if host is not None else HostTier()
+        self.compressed = compressed if compressed is not None else CompressedTier(bits=8)
+
+    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int) -> Int[Tensor, "B H"]:
+        keep_total = seen - floor_share(self.evict_ratio, seen)
+        return (candidates.clamp(max=keep_total) - kept).clamp(min=0)
+
+    def split(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int
+              ) -> tuple[Int[Tensor, "B H"], Int[Tensor, "B H"]]:
+        """`(host, compressed)` counts of the non-kept candidates of each (row, head); the rest is evicted."""
+        retain = self.retained(candidates, kept, seen)
+        n_comp = retain.clamp(max=floor_share(self.compressed_ratio, seen))
+        return retain - n_comp, n_comp
+
+    def store(self, state, tokens, seen, kept):
+        state = dict(state)
+        real = (tokens.positions < FAR_POSITION).sum(-1)
+        n_host, n_comp = self.split(kept + real, kept, seen)
+        zero = torch.zeros_like(n_host)
+        state["host"] = self.host.store(state.get("host", {}), _slice(tokens, zero, n_host), seen, kept)
+        state["compressed"] = self.compressed.store(state.get("compressed", {}), _slice(tokens, n_host, n_comp),
+                                                    seen, kept)
+        bump(state)
+        sizes = self.nbytes(state)
+        track(state, sizes)
+        return state
+
+    def _parts(self, state) -> list[tuple[TierStore, dict[str, Any]]]:
+        return [(self.host, state.get("host", {})), (self.compressed, state.get("compressed", {}))]
+
+    def fetch(self, state):
+        got = [t for s, st in self._parts(state) if (t := s.fetch(st)) is not None]
+        if not got:
+            return None
+        return got[0] if len(got) == 1 else TierTokens.cat(got)
+
+    def start_fetch(self, state):
+        parts = self._parts(state)
+        pend = [s.start_fetch(st) for s, st in parts]
+        if all(p is None for p in pend):
+            return None
+        return _PendingHierarchy([(s, st, p) for (s, st), p in zip(parts, pend)])
+
+    def write_channels(self, state, channels):
+        nh = int(state.get("host", {}).get("n", 0))
+        return {**state, "host": self.host.write_channels(state.get("host", {}), channels[:, :, :nh]),
+                "compressed": self.compressed.write_channels(state.get("compressed", {}), channels[:, :, nh:])}
+
+    def nbytes(self, state) -> dict[str, int]:
+        return {"host": self.host.nbytes(state.get("host", {}))["host"],
+                "compressed": self.compressed.nbytes(state.get("compressed", {}))["compressed"]}
+
+    def map_rows(self, state, fn, batch):
+        if not state:
+            return state
+        state = {**state, "host": self.host.map_rows(state.get("host", {}), fn, batch),
+                 "compressed": self.compressed.map_rows(state.get("compressed", {}), fn, batch)}
+        bump(state)
+        return state
+
+    def __repr__(self) -> str:
+        return (f"Hierarchy(compressed_ratio={self.compressed_ratio:g}, evict_ratio={self.evict_ratio:g}, "
+                f"bits={self.compressed.bits})")
+
+
+class _PendingHierarchy:
+    def __init__(self, parts):
+        self.parts = parts
+
+    def wait(self) -> TierTokens | None:
+        got = []
+        for s, st, p in self.parts:
+            t = p.wait() if p is not None else s.fetch(st)
+            if t is not None:
+                got.append(t)
+        if not got:
+            return None
+        return got[0] if len(got) == 1 else TierTokens.cat(got)

@@ -1,0 +1,227 @@
+"""Every block composes with every storage layout, tier and cache: a hypothesis test over the product of
+pipelines (presets and random compositions) x allocators x tiers x plain / branch cache x left-padded batches,
+on a tiny model, with the invariants the one layer core promises."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcompose import (
+    AccumulatedAttention, BranchCache, CompressedTier, Evict, GrowPage, HeadUtility, Hierarchy, HostTier,
+    KeyNorm, KeyRedundancy, KVComposeCache, LastQueryAttention, PagedStore, Pipeline, ProtectPrompt,
+    ProtectRecent, ProtectSinks, Pyramid, RandomDrop, RandomScore, Recency, Sample, TopK, Uniform, ValueNorm,
+    WindowedAttention, methods,
+)
+from kvcompose.models import tiny_model
+
+MODEL = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
+RANDOM_BLOCKS = (RandomDrop, Sample, RandomScore)
+
+
+def _presets(recent: int) -> dict:
+    return {
+        "streaming_llm": lambda: methods.streaming_llm(),
+        "h2o": lambda: methods.h2o(),
+        "snapkv": lambda: methods.snapkv(window=recent),
+        "tova": lambda: methods.tova(),
+        "knorm": lambda: methods.knorm(),
+        "rkv": lambda: methods.rkv(window=recent),
+        "random_attention": lambda: methods.random_attention(recent=recent),
+        "vase": lambda: methods.vase(recent=recent, window=2 * recent),
+    }
+
+
+@st.composite
+def pipelines(draw):
+    """A preset or a random composition of blocks: (pipeline, protected recent count, protected sinks)."""
+    recent = draw(st.integers(1, 4))
+    if draw(st.booleans()):
+        name = draw(st.sampled_from(sorted(_presets(recent))))
+        pipe = _presets(recent)[name]()
+        rec = max((p.n for p in pipe.protectors if isinstance(p, ProtectRecent) and isinstance(p.n, int)), default=0)
+        sinks = max((p.n for p in pipe.protectors if isinstance(p, ProtectSinks)), default=0)
+        return pipe, rec, sinks
+    protectors, rec, sinks = [], 0, 0
+    if draw(st.booleans()):
+        rec = recent
+        protectors.append(ProtectRecent(rec))
+    if draw(st.booleans()):
+        sinks = draw(st.integers(1, 3))
+        protectors.append(ProtectSinks(sinks))
+    if draw(st.booleans()):
+        protectors.append(ProtectPrompt(limit=4))
+    kind = draw(st.sampled_from(["random", "topk", "sample"]))
+    if kind == "random":
+        return Pipeline(*protectors, RandomDrop()), rec, sinks
+    if kind == "sample":
+        scorer = draw(st.sampled_from([WindowedAttention(4), AccumulatedAttention(), ValueNorm()]))
+        return Pipeline(*protectors, scorer, Sample()), rec, sinks
+    scorer = draw(st.sampled_from([Recency(), KeyNorm(), ValueNorm(), AccumulatedAttention(), WindowedAttention(4),
+                                   LastQueryAttention(), 0.5 * KeyNorm() - 0.5 * KeyRedundancy(), RandomScore(),
+                                   0.3 * AccumulatedAttention() + 0.7 * ValueNorm()]))
+    return Pipeline(*protectors, scorer, TopK()), rec, sinks
+
+
+ALLOCATORS = {
+    "uniform": lambda w: Uniform(),
+    "pyramid": lambda w: Pyramid(window=w, beta=2),
+    "heads": lambda w: HeadUtility(floor=0.5, window=4),
+    "growpage": lambda w: GrowPage(page=8, initial=0.5, window=8),
+}
+TIERS = {
+    "evict": lambda: Evict(),
+    "host": lambda: HostTier(),
+    "compressed": lambda: CompressedTier(bits=8, key_group=4, value_group=4),
+    "hierarchy": lambda: Hierarchy(0.2, 0.1, compressed=CompressedTier(bits=8, key_group=4, value_group=4)),
+}
+
+
+def _deterministic(pipe: Pipeline) -> bool:
+    return not any(isinstance(b, RANDOM_BLOCKS) for b in (*pipe.leaves, pipe.selector))
+
+
+def _inputs(rows: int, t: int, pad: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (rows, t), generator=g)
+    mask = torch.ones(rows, t, dtype=torch.long)
+    if rows > 1:
+        ids[0, :pad] = 0
+        mask[0, :pad] = 0
+    return ids, mask
+
+
+def _run(pipe, budget, interval, ids, mask, new, seed=0):
+    cache = KVComposeCache(MODEL, pipe, budget=budget, interval=interval, seed=seed)
+    out = MODEL.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
+                         min_new_tokens=new, do_sample=False)
+    return out, cache
+
+
+def _check_cache(cache, pipe, budget, interval, rec, sinks, mask, seen):
+    mem = cache.memory()
+    assert mem.total == sum(layer.segment.store.nbytes() for layer in cache.layers)  # memory = the stores
+    assert mem.allocated == sum(layer.segment.store.allocated_bytes() for layer in cache.layers)
+    for i, layer in enumerate(cache.layers):
+        pos = cache.kept_positions(i)
+        real = pos >= 0
+        # kept positions sorted and unique per (row, head); -1 padding only at the end
+        assert bool(((pos[..., 1:] > pos[..., :-1]) | ~real[..., 1:]).all())
+        assert bool((real[..., :-1] | ~real[..., 1:]).all())
+        if not layer.events:
+            continue
+        lengths = layer.lengths
+        if pipe.allocator.uniform:
+            b = layer.layer_budget()
+            assert b <= layer.held < b + interval  # held within [budget, budget + interval) per head
+            assert bool((lengths == layer.held).all())
+        else:
+            limits = layer.segment.limits
+            assert bool((lengths < limits + interval).all())
+        # protected tokens are kept: the newest `rec` tokens and the first `sinks` real tokens of each row
+        for row in range(pos.shape[0]):
+            first = int((mask[row] == 0).sum())
+            held = set(pos[row].reshape(-1).tolist())
+            for p in range(seen - rec, seen):
+                assert bool((pos[row] == p).any(-1).all()), f"recent token {p} lost in layer {i}"
+            for p in range(first, first + sinks):
+                assert bool((pos[row] == p).any(-1).all()), f"sink {p} lost in layer {i}"
+            assert held
+        if not pipe.allocator.uniform:
+            assert isinstance(layer.segment.store, PagedStore)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipes=pipelines(), alloc=st.sampled_from(sorted(ALLOCATORS)), tier=st.sampled_from(sorted(TIERS)),
+       budget=st.integers(16, 24), interval=st.integers(3, 6), rows=st.integers(1, 2), pad=st.integers(1, 4),
+       prompt=st.integers(8, 16), seed=st.integers(0, 3))
+def test_plain_cache_product(pipes, alloc, tier, budget, interval, rows, pad, prompt, seed):
+    pipe0, rec, sinks = pipes
+    pipe = pipe0.replace(ALLOCATORS[alloc](max(rec, 1)), TIERS[tier]())
+    ids, mask = _inputs(rows, prompt, pad, seed)
+    new = 3 * interval + 7
+    out, cache = _run(pipe, budget, interval, ids, mask, new, seed)
+    seen = prompt + new - 1
+    assert cache.get_seq_length() == seen and out.shape == (rows, prompt + new)
+    assert max(layer.events for layer in cache.layers) > 0  # it really compressed
+    _check_cache(cache, pipe, budget, interval, rec, sinks, mask, seen)
+    # same seed, same result
+    out2, cache2 = _run(pipe, budget, interval, ids, mask, new, seed)
+    assert torch.equal(out, out2)
+    for i in range(len(cache.layers)):
+        assert torch.equal(cache.kept_positions(i), cache2.kept_positions(i))
+    # a padded row equals that row alone (deterministic blocks; GrowPage's pool is shared by the batch)
+    if rows == 2 and _deterministic(pipe) and alloc != "growpage":
+        alone, _ = _run(pipe, budget, interval, ids[:1, pad:], mask[:1, pad:], new, seed)
+        assert torch.equal(out[0, prompt:], alone[0, prompt - pad:])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipes=pipelines(), alloc=st.sampled_from(["uniform", "pyramid", "heads"]), rows=st.integers(1, 2),
+       seed=st.integers(0, 3))
+def test_tiers_without_eviction_are_bit_identical(pipes, alloc, rows, seed):
+    """With tiers that keep every token exactly (host memory; a hierarchy with no compressed or evicted
+    share), the logits are bit-identical to the all-HBM run of the same pipeline."""
+    pipe0, rec, _ = pipes
+    ids, mask = _inputs(rows, 12, 3, seed)
+    logits = []
+    for tier in (None, HostTier(), Hierarchy(0.0, 0.0)):
+        pipe = pipe0.replace(ALLOCATORS[alloc](max(rec, 1)), *([tier] if tier is not None else []))
+        budget = 4096 if tier is None else 16
+        cache = KVComposeCache(MODEL, pipe, budget=budget, interval=4, seed=seed)
+        out = MODEL.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=20,
+                             min_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        logits.append(torch.stack(out.logits))
+        if tier is not None:
+            assert max(layer.events for layer in cache.layers) > 0
+            assert cache.memory().by_tier["host"] > 0
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipes=pipelines(), alloc=st.sampled_from(["uniform", "heads"]), tier=st.sampled_from(["evict", "host"]),
+       rows=st.integers(1, 2), seed=st.integers(0, 3), active=st.booleans())
+def test_branch_cache_product(pipes, alloc, tier, rows, seed, active):
+    """The tree cache takes the same pipelines (per-head budgets and tiers included) for its inactive nodes
+    and, with `active_budget`, for the active path; exact rehydration gives back the branch it left."""
+    pipe0, rec, _ = pipes
+    pipe = pipe0.replace(ALLOCATORS[alloc](max(rec, 1)), TIERS[tier]())
+    ids, mask = _inputs(rows, 10, 3, seed)
+
+    def make():
+        return BranchCache(MODEL, budget=40, keep=0.25, scorer=pipe, tier=TIERS[tier](),
+                           active_budget=24 if active else None, interval=4, seed=seed)
+
+    def gen(cache, inp, m, n=12):
+        return MODEL.generate(input_ids=inp, attention_mask=m, past_key_values=cache, max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False)
+
+    cache = make()
+    with torch.no_grad():
+        MODEL(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    a, b = cache.fork(0), cache.fork(0)
+    cache.switch(a)
+    full = torch.ones(rows, 1, dtype=torch.long)
+    nxt = torch.cat([ids, ids[:, -1:]], 1)
+    nm = torch.cat([mask, full], 1)
+    out_a = gen(cache, nxt, nm)
+    cache.switch(b)
+    gen(cache, nxt, nm, n=20)
+    assert cache.compressions > 0  # the inactive branch was compressed
+    cache.switch(a)
+    am = torch.cat([nm, torch.ones(rows, out_a.shape[1] - nxt.shape[1], dtype=torch.long)], 1)
+    cont = gen(cache, out_a, am, n=4)
+    mem = cache.memory()
+    stores = [s.store for n in cache._all_nodes() for s in n.segs if s.store is not None]
+    assert mem.held == sum(s.nbytes() for s in stores) and mem.device == sum(s.allocated_bytes() for s in stores)
+    # exact rehydration: continuing branch a equals decoding it without the detour, on a fresh tree
+    ref = make()
+    with torch.no_grad():
+        MODEL(input_ids=ids, attention_mask=mask, past_key_values=ref)
+    ref.switch(ref.fork(0))
+    ref_a = gen(ref, nxt, nm)
+    assert torch.equal(out_a, ref_a)
+    if not active:
+        ref_cont = gen(ref, ref_a, am, n=4)
+        assert torch.equal(cont, ref_cont)
