@@ -28,6 +28,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from . import attention as _attn
 from .allocators import layer_budget as _layer_budget
+from .kernels import paged_decode_attention, select_backend
 from .pipeline import Pipeline, Selection
 from .prefetch import Merged, Prefetcher
 from .stores import DenseStore, PagedStore, StoreView
@@ -70,6 +71,7 @@ class CoreConfig:
     stats: CacheStats = field(default_factory=CacheStats)
     reserve: bool = False
     observe: bool = True
+    step_padding: tuple | None = None  # (key of a forward's 2-D mask, whether its new tokens include padding)
 
     @property
     def paged(self) -> bool:
@@ -338,7 +340,7 @@ class ComposeLayer(CacheLayerMixin):
         qvalid = None
         if mask2d is not None:
             nv = mask2d[:, -q:].to(device=self.device, dtype=torch.bool)
-            if not bool(nv.all()):
+            if self._has_padding(mask2d, nv):
                 seg.store.set_tail_valid(nv)
                 qvalid = nv
         w = pipe.query_window
@@ -356,13 +358,31 @@ class ComposeLayer(CacheLayerMixin):
             mask = None  # one new token that sees every held key
         else:
             mask = _attn.build_mask(pos, valid, qpos, sliding_window)
-        out = _attn.attend(query, keys, values, mask, scale, **features)
+        if (len(segs) == 1 and parts[0][2] is None and isinstance(segs[0].store, PagedStore) and not observers
+                and not features and select_backend(query, segs[0].store.pool.keys) == "triton"):
+            st = segs[0].store  # the paged decode kernel reads the pages directly: no padded copy
+            out = paged_decode_attention(query, st.pool.keys, st.pool.values, st.pool.positions, st.pool.valid,
+                                         st.page_table, st.lengths, qpos, float(scale), sliding_window,
+                                         check_indices=False)
+        else:
+            out = _attn.attend(query, keys, values, mask, scale, **features)
         if observers:
             self._observe(seg, segs, parts, AttentionStep(query, keys, pos, valid, mask, scale))
         self._merged = next((p[2] for p, s in zip(parts, segs) if s is seg), None)
         if self.scheduled():
             self._schedule(q)
         self._merged = None  # fetched copies are not kept between steps
+        return out
+
+    def _has_padding(self, mask2d: Tensor, new_valid: Tensor) -> bool:
+        """Whether the new tokens include padding; checked once per forward (one host sync per step, not
+        one per layer): every layer of a forward receives the same 2-D mask."""
+        key = (mask2d.data_ptr(), tuple(mask2d.shape), self.seen)
+        cached = self.config.step_padding
+        if self.layer_idx > 0 and cached is not None and cached[0] == key:  # layer 0 starts every forward
+            return cached[1]
+        out = not bool(new_valid.all())
+        self.config.step_padding = (key, out)
         return out
 
     def _observe(self, seg: Segment, segs: list[Segment], parts: list, step: AttentionStep) -> None:

@@ -41,8 +41,8 @@ class Merged:
     Attributes:
         keys: `[B, H, T, D]`, values `[B, H, T, Dv]`, positions / valid `[B, H, T]`, channels
             `[B, H, T, C]`, with T = hot + N.
-        order: `[B, H, T]` for each merged slot, its index in `cat(hot, fetched)`; `flat` the same as rows of
-            the flattened `[B * H * T]` concatenation.
+        order: `[B, H, F]` for each merged slot before the cut (F = `full`), its index in `cat(hot, fetched)`;
+            `flat` the same as rows of the flattened `[B * H * F]` concatenation.
         held: hot (HBM) slots, the first `held` of that concatenation.
         fetched: the tier tokens (N per row and head), in the store's `fetch` order.
         stamp: what the merge was built from; the layer reuses a merge only while it matches.
@@ -57,8 +57,8 @@ class Merged:
     positions: Int[Tensor, "B H T"]
     valid: Bool[Tensor, "B H T"]
     channels: Float[Tensor, "B H T C"]
-    order: Int[Tensor, "B H T"]
-    flat: Int[Tensor, " BHT"]
+    order: Int[Tensor, "B H F"]  # F = full: every slot of the concatenation (T <= F after the cut)
+    flat: Int[Tensor, " BHF"]
     held: int
     fetched: TierTokens
     stamp: tuple

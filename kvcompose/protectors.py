@@ -106,23 +106,29 @@ class ProtectRecent(Protector):
 class ProtectPrompt(Protector):
     """Keep the prompt (the tokens of the first forward call), inside the budget.
 
-    Random Attention (SalesforceAIResearch/Random-Attention) keeps the prompt (up to K-1 tokens) and finds
-    the prompt is the fragile part of a reasoning trace. The prompt is protected only up to the room the
-    other protectors of the pipeline leave (`room`, minus `leave`); a longer prompt keeps its first `sinks`
-    tokens and its newest ones, since the question usually ends the prompt.
+    Random Attention (SalesforceAIResearch/Random-Attention, `random_pp`) keeps the prompt, up to K-1
+    tokens (K = budget - recent window), and finds the prompt is the fragile part of a reasoning trace. The
+    prompt is protected only up to the room the other protectors of the pipeline leave (`room`, minus
+    `leave`). A longer prompt keeps, with `keep="first"`, its first `room - leave` tokens (the reference's
+    rule: `leave=1` leaves at least one slot to the random draw), or, with `keep="ends"` (default), its first
+    `sinks` tokens and its newest ones, since the question usually ends the prompt.
 
     Args:
         limit: at most this many prompt tokens (int) or this share of the budget (float); None = the room.
-        sinks: tokens at the start of the prompt kept first when the prompt does not fit.
+        sinks: tokens at the start of the prompt kept first when the prompt does not fit (`keep="ends"`).
         leave: slots left free for non-protected tokens when the prompt is longer than the room.
+        keep: "ends" or "first" (which prompt tokens a prompt longer than the room keeps).
     """
 
-    def __init__(self, limit: int | float | None = None, sinks: int = 4, leave: int = 0):
+    def __init__(self, limit: int | float | None = None, sinks: int = 4, leave: int = 0,
+                 keep: Literal["ends", "first"] = "ends"):
         if limit is not None:
             _check_count(limit, "ProtectPrompt")
         if sinks < 0 or leave < 0:
             raise KVComposeError("ProtectPrompt: sinks and leave must be >= 0")
-        self.limit, self.sinks, self.leave = limit, sinks, leave
+        if keep not in ("ends", "first"):
+            raise KVComposeError(f"ProtectPrompt: keep must be 'ends' or 'first', got {keep!r}")
+        self.limit, self.sinks, self.leave, self.keep = limit, sinks, leave, keep
 
     def max_count(self, budget: int) -> int:
         return 0  # adaptive: fills only the room others leave (see `protect`)
@@ -134,6 +140,8 @@ class ProtectPrompt(Protector):
         prompt = view.is_prompt & view.valid
         if int(prompt.sum(-1).max()) <= cap:
             return prompt
+        if self.keep == "first":
+            return _rank_mask(-view.positions, cap, prompt)
         n_sinks = min(self.sinks, cap)
         first = _rank_mask(-view.positions, n_sinks, prompt)
         last = _rank_mask(view.positions, cap - n_sinks, prompt & ~first)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .block import Block
 from .kernels import key_redundancy, value_magnitude, window_attention_scores
-from .view import AttentionStep, KVComposeError, LayerView
+from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
 
 __all__ = [
     "Scorer",
@@ -30,6 +30,7 @@ __all__ = [
     "LastQueryAttention",
     "Recency",
     "RandomScore",
+    "ProjectedNorm",
 ]
 
 
@@ -315,3 +316,43 @@ class RandomScore(Scorer):
         gen = view.generator
         return torch.rand(view.shape, generator=gen, device=gen.device if gen is not None else view.device
                           ).to(view.device)
+
+
+class ProjectedNorm(Scorer):
+    """VaSE's query-free score: `|k G|^2 * |v G|^2` with a Gaussian projection `G` (`D x rank`, entries
+    N(0, 1/rank)), normalised over the tokens of each (row, KV head); no query is needed.
+
+    VaSE (terarachang/VaSE, the `cur_fixed_gauss` / `cur_resample_gauss` modes, after kvpress's CUR press):
+    with `fixed=True` one `G` per row is drawn when the layer starts and kept (block state, from
+    `init`); with `fixed=False` a fresh `G` is drawn at every event from the layer's generator. The
+    reference sets the 4 sink tokens to the top score: compose with `ProtectSinks(4)`.
+
+    Args:
+        rank: columns of `G` (VaSE: 20).
+        fixed: draw `G` once per layer (True) or at every event (False).
+        seed: seeds the fixed projections (with the layer index).
+    """
+
+    def __init__(self, rank: int = 20, fixed: bool = True, seed: int = 0):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+            raise KVComposeError(f"ProjectedNorm: rank must be a positive int, got {rank!r}")
+        self.rank, self.fixed, self.seed = rank, bool(fixed), int(seed)
+
+    def init(self, spec: LayerSpec) -> Float[Tensor, "B 1 D R"] | None:
+        if not self.fixed:
+            return None
+        gen = torch.Generator(device=spec.device)
+        gen.manual_seed(self.seed * 1_000_003 + spec.layer_idx)
+        return torch.randn(spec.batch, 1, spec.head_dim, self.rank, generator=gen, device=spec.device) / self.rank**0.5
+
+    def score(self, view: LayerView, state: Tensor | None = None) -> Float[Tensor, "B H T"]:
+        b, h, t, d = view.keys.shape
+        g = state
+        if g is None or g.shape[0] != b:
+            gen = view.generator
+            g = torch.randn(b, 1, d, self.rank, generator=gen, device=gen.device if gen is not None else view.device)
+            g = g.to(view.device) / self.rank**0.5
+        k2 = (view.keys.float() @ g).pow(2).sum(-1)
+        v2 = (view.values.float() @ g[..., : view.values.shape[-1], :]).pow(2).sum(-1)
+        s = (k2 * v2).masked_fill(~view.valid, 0.0)
+        return s / s.sum(-1, keepdim=True).clamp(min=1e-30)

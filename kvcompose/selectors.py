@@ -160,9 +160,22 @@ class RandomDrop(Selector):
 
     Independent per row, layer and KV head, redrawn at every compression event from the layer's seeded
     generator (kvpress's random press reseeds on every call and so draws the same scores each time).
+
+    Args:
+        shared_heads: one draw per row shared by every KV head of the layer (the paper's per-head
+            independence ablation: all heads then keep the same positions).
     """
 
     needs_scores = False
 
+    def __init__(self, shared_heads: bool = False):
+        self.shared_heads = bool(shared_heads)
+
     def priority(self, scores, valid, generator):
-        return _rand(tuple(valid.shape), generator, valid.device)
+        b, h, t = valid.shape
+        if self.shared_heads:
+            return _rand((b, 1, t), generator, valid.device).expand(b, h, t)
+        return _rand((b, h, t), generator, valid.device)
+
+    def __repr__(self) -> str:
+        return "RandomDrop(shared_heads=True)" if self.shared_heads else "RandomDrop()"
