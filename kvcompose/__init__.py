@@ -19,6 +19,7 @@ from .prefetch import Prefetcher
 from .protectors import Protector, ProtectPrompt, ProtectRecent, ProtectSinks, ProtectValueNorm
 from .scorers import (
     AccumulatedAttention,
+    ProjectedNorm,
     KeyNorm,
     KeyRedundancy,
     LastQueryAttention,
@@ -28,7 +29,7 @@ from .scorers import (
     ValueNorm,
     WindowedAttention,
 )
-from .selectors import RandomDrop, Sample, Selector, TopK
+from .selectors import BlockGranular, RandomDrop, Sample, Selector, TopK
 from .stores import DenseStore, KVStore, PagedStore
 from .tiers import CompressedTier, Evict, Hierarchy, HostTier, TierStore, TierTokens
 from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
@@ -40,9 +41,9 @@ __all__ = [
     "LayerSpec", "AttentionStep", "KVComposeError", "Block", "Observer", "LayerSchedule",
     "KVStore", "DenseStore", "PagedStore", "SeenShare",
     "Scorer", "AccumulatedAttention", "WindowedAttention", "KeyRedundancy", "ValueNorm", "KeyNorm",
-    "LastQueryAttention", "Recency", "RandomScore",
+    "LastQueryAttention", "Recency", "RandomScore", "ProjectedNorm",
     "Protector", "ProtectPrompt", "ProtectSinks", "ProtectRecent", "ProtectValueNorm",
-    "Selector", "TopK", "Sample", "RandomDrop",
+    "Selector", "TopK", "Sample", "RandomDrop", "BlockGranular",
     "Allocator", "Uniform", "TierStore", "Evict", "Prefetcher", "methods",
     "Pyramid", "ReasoningWave", "HeadUtility", "GrowPage",
     "HostTier", "CompressedTier", "Hierarchy", "TierTokens",

@@ -76,7 +76,7 @@ class CoreConfig:
     @property
     def paged(self) -> bool:
         """Per-head budgets live in paged storage; uniform ones in dense buffers."""
-        return not self.pipeline.allocator.uniform
+        return self.pipeline.paged
 
 
 class QueryRing:

@@ -147,6 +147,12 @@ class Pipeline:
         return max([b.query_window for b in (*self.parts, *self.leaves, self.tier)], default=0)
 
     @property
+    def paged(self) -> bool:
+        """True when kept counts may differ between rows and heads (per-head allocators, block-granular
+        selectors): the layers then use paged storage."""
+        return not self.allocator.uniform or (self.selector is not None and self.selector.ragged)
+
+    @property
     def needs_budget(self) -> bool:
         """True when the cache must be given a token budget."""
         return self.compresses and self.allocator.needs_budget
@@ -276,7 +282,7 @@ class Pipeline:
                 f"(layer {view.layer_idx}): raise the budget or protect fewer tokens"
             )
         kept, order = self.selector(scores, protected, view.valid, per_head, view.generator,
-                                    need_order=self.tier.holds_tokens)
+                                    need_order=self.tier.holds_tokens, positions=view.positions)
         return Selection(kept=kept, order=order, budget=per_head, scores=scores), tuple(out_states)
 
     def __repr__(self) -> str:

@@ -15,13 +15,15 @@ all follow one ranking.
 from __future__ import annotations
 
 import torch
+from typing import Literal
+
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .block import Block
 from .view import KVComposeError
 
-__all__ = ["Selector", "TopK", "Sample", "RandomDrop", "indices_from_priority", "priority_order"]
+__all__ = ["Selector", "TopK", "Sample", "RandomDrop", "BlockGranular", "indices_from_priority", "priority_order"]
 
 
 def _rand(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> Tensor:
@@ -79,6 +81,7 @@ class Selector(Block):
     `needs_scores` says whether the pipeline must supply a scorer."""
 
     needs_scores: bool = True
+    ragged: bool = False  # True when kept counts may differ between rows and heads (paged storage)
 
     def priority(
         self,
@@ -96,6 +99,7 @@ class Selector(Block):
         budget: Int[Tensor, "B H"],
         generator: torch.Generator | None = None,
         need_order: bool = False,
+        positions: Int[Tensor, "B H T"] | None = None,
     ) -> tuple[Int[Tensor, "B H K"], Int[Tensor, "B H T"] | None]:
         """`(kept, order)`: see the module docstring. Protected tokens beyond a head's budget (allowed only
         when a tier store keeps what HBM does not) are ranked by priority among themselves."""
@@ -179,3 +183,95 @@ class RandomDrop(Selector):
 
     def __repr__(self) -> str:
         return "RandomDrop(shared_heads=True)" if self.shared_heads else "RandomDrop()"
+
+
+class BlockGranular(Selector):
+    """Keep or evict whole blocks of `block` consecutive positions, as a paged serving engine must (vLLM,
+    SGLang: 16-token blocks behind block tables). Wraps any selector: its token priorities are reduced per
+    block (`mean` or `max` over the block's real tokens), a block with a protected token is protected, and
+    blocks are kept from most to least worth keeping while the kept tokens fit in the budget (protected
+    blocks are always kept, so a head may hold up to `block - 1` tokens more per protected run).
+
+    A block is `position // block`: with block-granular eviction from the start, every held block is whole
+    except the newest one. `per_head=False` ranks blocks by their mean priority over the KV heads of the
+    row, so every head keeps the same blocks (one block table per layer, as in vLLM).
+
+    Kept counts differ between rows and heads, so a pipeline with this selector stores its layers in paged
+    storage (`ragged = True`).
+
+    Args:
+        inner: the token-level selector whose priorities are pooled (TopK, Sample, RandomDrop).
+        block: positions per block (16).
+        reduce: "mean" or "max" of the block's token priorities.
+        per_head: separate blocks per KV head (True) or one set per layer row (False).
+    """
+
+    ragged = True
+
+    def __init__(self, inner: Selector, block: int = 16, reduce: Literal["mean", "max"] = "mean",
+                 per_head: bool = True):
+        if not isinstance(inner, Selector) or isinstance(inner, BlockGranular):
+            raise KVComposeError(f"BlockGranular wraps a token-level Selector, got {type(inner).__name__}")
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+            raise KVComposeError(f"BlockGranular: block must be a positive int, got {block!r}")
+        if reduce not in ("mean", "max"):
+            raise KVComposeError(f"BlockGranular: reduce must be 'mean' or 'max', got {reduce!r}")
+        self.inner, self.block, self.reduce, self.per_head = inner, block, reduce, bool(per_head)
+        self.needs_scores = inner.needs_scores
+
+    def children(self) -> tuple[Block, ...]:
+        return (self.inner,)
+
+    def priority(self, scores, valid, generator):
+        return self.inner.priority(scores, valid, generator)
+
+    def blocks_of(self, positions: Int[Tensor, "B H T"], valid: Bool[Tensor, "B H T"]) -> Int[Tensor, "B H T"]:
+        """Block number of every slot (`position // block`); padding slots get -1."""
+        return torch.where(valid, positions // self.block, torch.full_like(positions, -1))
+
+    def __call__(self, scores, protected, valid, budget, generator=None, need_order=False, positions=None):
+        if self.needs_scores and scores is None:
+            raise KVComposeError(f"{type(self.inner).__name__} needs scores but the pipeline has no scorer")
+        if positions is None:
+            raise KVComposeError("BlockGranular needs the tokens' positions (call it through a Pipeline)")
+        b, h, t = valid.shape
+        raw = torch.nan_to_num(self.priority(scores, valid, generator).float(), nan=-3e38, posinf=3e38, neginf=-3e38)
+        blk = self.blocks_of(positions, valid)
+        # segment id of each slot: slots of one block are consecutive (positions ascend along T)
+        start = torch.ones_like(blk, dtype=torch.bool)
+        start[..., 1:] = blk[..., 1:] != blk[..., :-1]
+        seg = start.long().cumsum(-1) - 1  # [B, H, T] in [0, T)
+        ok = valid.float()
+        size = torch.zeros(b, h, t, device=valid.device).scatter_add_(-1, seg, ok)
+        if self.reduce == "mean":
+            val = torch.zeros(b, h, t, device=valid.device).scatter_add_(-1, seg, raw.clamp(-1e30, 1e30) * ok)
+            val = val / size.clamp(min=1)
+        else:
+            val = torch.full((b, h, t), -3e38, device=valid.device).scatter_reduce_(
+                -1, seg, raw.masked_fill(~valid, -3e38), "amax")
+        prot = torch.zeros(b, h, t, device=valid.device).scatter_add_(-1, seg, (protected & valid).float()) > 0
+        real = size > 0
+        if not self.per_head:  # one ranking per row: a block's value is its mean over the heads that hold it
+            shared = torch.where(real, val, torch.zeros_like(val)).sum(1, keepdim=True)
+            val = (shared / real.float().sum(1, keepdim=True).clamp(min=1)).expand_as(val)
+            prot = prot.any(1, keepdim=True).expand_as(prot)
+        key = torch.where(prot & real, torch.full_like(val, 3e38), val.clamp(-1e30, 1e30))
+        key = torch.where(real, key, torch.full_like(val, -3.4e38))
+        order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # segments by worth
+        sizes = size.gather(-1, order)
+        room = budget[..., None].float() - torch.cumsum(sizes, -1)
+        take = ((room >= 0) | prot.gather(-1, order)) & real.gather(-1, order)
+        keep_seg = torch.zeros(b, h, t, dtype=torch.bool, device=valid.device).scatter_(-1, order, take)
+        keep = keep_seg.gather(-1, seg) & valid
+        kmax = int(keep.sum(-1).max()) if keep.numel() else 0
+        idx = torch.where(keep, torch.arange(t, device=valid.device).expand(b, h, t), torch.full_like(seg, t))
+        kept = idx.sort(-1).values[..., :kmax]
+        kept = torch.where(kept >= t, torch.full_like(kept, -1), kept)
+        if not need_order:
+            return kept, None
+        pri = torch.where(keep, torch.full_like(raw, 3e38), key.gather(-1, seg))
+        return kept, _kept_first(priority_order(pri, protected, valid), kept)
+
+    def __repr__(self) -> str:
+        return (f"BlockGranular({self.inner!r}, block={self.block}, reduce={self.reduce!r}"
+                f"{'' if self.per_head else ', per_head=False'})")
