@@ -9,8 +9,8 @@ cache in chunks of the compression interval (`evaluate`), which equals one-token
 The ReasoningWave profile is calibrated first (if `--profile` does not exist) on *other* GSM8K questions
 (`--calib-offset`) than the evaluated ones.
 
-    python benchmarks/allocation_table.py --data /work/shared/data/gsm8k/test.jsonl \
-        --n 3 --new-tokens 1024 --budgets 128 256 512 --out /tmp/alloc.json --md /tmp/alloc.md
+    python benchmarks/allocation_table.py --data path/to/gsm8k/test.jsonl \
+        --n 3 --new-tokens 1024 --budgets 128 256 512 --out runs/alloc.json --md runs/alloc.md
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvcompose import KVComposeCache, methods  # noqa: E402
-from kvcompose.allocators import calibrate_reasoning_wave  # noqa: E402
+from kvcompose.calibration import calibrate_reasoning_wave  # noqa: E402
 from kvcompose.bench.fidelity import Trace, evaluate, load_questions, make_traces  # noqa: E402
 from kvcompose.models import load_default_model  # noqa: E402
 
@@ -37,6 +37,12 @@ METHODS = {
     "HeadUtility only (R-KV)": lambda profile: methods.reason_alloc(methods.rkv()),
     "GrowPage (R-KV)": lambda profile: methods.growpage(methods.rkv()),
 }
+
+
+def alloc_state(cache: KVComposeCache, layer) -> dict:
+    """The allocator's layer state (GrowPage: pages, grants), threaded by the pipeline per layer."""
+    pipe = cache.pipeline
+    return layer.segment.blocks[pipe.leaves.index(pipe.allocator)] or {}
 
 
 class HeldTracker:
@@ -136,14 +142,14 @@ def main(argv: list[str] | None = None) -> dict:
                "mean_kv_bytes": tracker.mean_held(), "budget_kv_bytes": total * kv_bytes_per_layer_token}
         alloc = probe.pipeline.allocator
         if hasattr(alloc, "cap_pages"):  # GrowPage: pages held at the end of each trace vs the cap
-            pages = [int(layer.alloc_state["pages"].sum()) for c in tracker.caches for layer in c.layers
-                     if "pages" in layer.alloc_state]
+            states = [alloc_state(c, layer) for c in tracker.caches for layer in c.layers]
+            pages = [int(st["pages"].sum()) for st in states if "pages" in st]
             heads = tracker.caches[0].layers[0].num_heads if tracker.caches else 1
             row["growpage_mean_tokens_per_head_end"] = (sum(pages) / len(pages) * alloc.page_size / heads
                                                         if pages else None)
-            row["growpage_granted"] = sum(layer.alloc_state.get("granted", 0) for c in tracker.caches for layer in c.layers)
-            row["growpage_denied"] = sum(layer.alloc_state.get("denied", 0) for c in tracker.caches for layer in c.layers)
-            row["growpage_returned"] = sum(layer.alloc_state.get("returned", 0) for c in tracker.caches for layer in c.layers)
+            row["growpage_granted"] = sum(st.get("granted", 0) for st in states)
+            row["growpage_denied"] = sum(st.get("denied", 0) for st in states)
+            row["growpage_returned"] = sum(st.get("returned", 0) for st in states)
         row.pop("kl_curve", None)
         rows.append(row)
         print(f"B={budget:4d} {name:34s} top1={s['top1']:.4f} KL={s['kl_mean']:.4f} ppl={s['ppl_ratio']:.4f} "

@@ -510,8 +510,8 @@ def part_decode(data):
                 row["host_MiB"] = mem.by_tier.get("host", 0) / 2**20
                 row["full_equiv_MiB"] = mem.full_cache / 2**20
                 dec = stamps[-1] - stamps[0] if len(stamps) > 1 else float("nan")
-                row["compress_share"] = cache.compress_seconds / dec
-                row["compress_calls"] = cache.compress_calls
+                row["compress_share"] = cache.stats.compress_seconds / dec
+                row["compress_calls"] = cache.stats.compress_calls
             else:
                 kv = sum(l.keys.numel() * l.keys.element_size() * 2 for l in cache.layers if l.keys is not None)
                 row["peak_kv_MiB"] = row["final_kv_MiB"] = kv / 2**20
@@ -554,7 +554,9 @@ def part_tiers(data):
     ids = torch.randint(3, vocab, (1, prompt), generator=torch.Generator().manual_seed(0)).to(DEV)
 
     def make(cfg, itv):
-        pipe = methods.memory_hierarchy(1.0 - evict if cfg == "all_hbm" else hbm, evict_ratio=evict)
+        # the protected recent window must fit in the retained share at the first event (dry: prompt 32 + 8)
+        pipe = methods.memory_hierarchy(1.0 - evict if cfg == "all_hbm" else hbm, evict_ratio=evict,
+                                        recent=8 if DRY else 64)
         cache = KVComposeCache(model, pipe, interval=itv)
         if cfg == "host_sync":
             cache.prefetcher = Prefetcher(lookahead=0)

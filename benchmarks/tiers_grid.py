@@ -19,8 +19,8 @@ Extra rows: pure eviction down to the smallest HBM share (hbm=0.25, evict=0.75: 
 cost without a host tier) and the compressed tier (int8 / int4, 25% of the tokens).
 
 Usage (3 prompts x 1024 tokens takes about 15-25 min on one core of a shared 2-core CPU):
-    nohup python benchmarks/tiers_grid.py --data /work/shared/data/gsm8k/test.jsonl --n 3 --new-tokens 1024 \
-        --out /tmp/tiers_grid.json > /tmp/tiers_grid.log 2>&1 &
+    nohup python benchmarks/tiers_grid.py --data path/to/gsm8k/test.jsonl --n 3 --new-tokens 1024 \
+        --out runs/tiers_grid.json > runs/tiers_grid.log 2>&1 &
 """
 
 from __future__ import annotations
@@ -76,8 +76,7 @@ def quant_error(model, trace, interval: int) -> list[dict]:
     a teacher-forced run with a compressed share, on layer 0 (whose keys and values depend on the tokens
     only, not on upstream compression): the tokens compressed at the end, with codes kept (default) or
     re-quantized at every event (`keep_codes=False`)."""
-    from kvcompose import CompressedTier, Hierarchy, HostTier, Pipeline, TierTokens, TopK
-    from kvcompose.methods import Prioritized
+    from kvcompose import CompressedTier, Hierarchy, TierTokens
     from kvcompose.tiers import quantization_error_bound
 
     ids = torch.tensor([trace.prompt_ids + trace.trace_ids[:-1]])
@@ -90,8 +89,9 @@ def quant_error(model, trace, interval: int) -> list[dict]:
             k, v = layer.keys.float(), layer.values.float()
             b, h, t, _ = k.shape
             pos = torch.arange(t).expand(b, h, t)
-            tier, st = CompressedTier(bits=bits), {}
-            tier.store(st, TierTokens(k, v, pos, torch.ones_like(pos, dtype=torch.bool), {}), None, seen=t)
+            tier = CompressedTier(bits=bits)
+            tokens = TierTokens(k, v, pos, torch.ones_like(pos, dtype=torch.bool), torch.zeros(b, h, t, 0))
+            st = tier.store({}, tokens, t, torch.zeros(b, h, dtype=torch.long))
             got = tier.fetch(st)
             for x, y, g, ax, rel in ((k, got.keys, tier.key_group, "channel", rel_k),
                                      (v, got.values, tier.value_group, "token", rel_v)):
@@ -104,14 +104,15 @@ def quant_error(model, trace, interval: int) -> list[dict]:
                     "bytes_per_fp32_byte": tier.nbytes(st)["compressed"] / (k.numel() * 4 + v.numel() * 4)})
     p = len(trace.prompt_ids)
     for keep in (True, False):
-        tier = Hierarchy(0.25, 0.5, 0.1, compressed=CompressedTier(bits=8, keep_codes=keep))
-        cache = KVComposeCache(model, Pipeline(Prioritized(), TopK(), tier), interval=interval)
+        tier = Hierarchy(0.5, 0.1, compressed=CompressedTier(bits=8, keep_codes=keep))
+        pipe = methods.memory_hierarchy(0.25, compressed_ratio=0.5, evict_ratio=0.1).replace(tier)
+        cache = KVComposeCache(model, pipe, interval=interval)
         model(input_ids=ids[:, :p], past_key_values=cache)
         for s in range(p, ids.shape[1], interval):
             model(input_ids=ids[:, s : s + interval], past_key_values=cache)
         rel_k, rel_v, requant = [], [], 0
         for fl, cl in zip(full.layers[:1], cache.layers[:1]):  # layer 0: its KV depend on the tokens only
-            st = cl.tier_state["compressed"]
+            st = cl.segment.tier["compressed"]
             got = tier.compressed.fetch(st)
             requant += st.get("requantized", 0)
             idx = got.positions[..., None].expand(*got.positions.shape, fl.keys.shape[-1])
@@ -126,7 +127,7 @@ def quant_error(model, trace, interval: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="/work/shared/data/gsm8k/test.jsonl", help="GSM8K-style JSONL (never copied)")
+    ap.add_argument("--data", default=os.environ.get("KVCOMPOSE_GSM8K"), help="GSM8K-style JSONL, never copied (default: $KVCOMPOSE_GSM8K)")
     ap.add_argument("--n", type=int, default=3, help="questions")
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--new-tokens", type=int, default=1024)

@@ -489,7 +489,7 @@ class ComposeLayer(CacheLayerMixin):
         n_kept = (kept >= 0).sum(-1)
         if pipe.tier.holds_tokens:
             seg.tier = pipe.tier.store(seg.tier, self._leaving(view, channels, sel.order, n_kept, rows),
-                                       seg.start + seg.n, n_kept)
+                                       seg.start + seg.n, n_kept, sel.protected)
         if merged is not None:
             safe = kept.clamp(min=0)
             g = lambda x: take_tokens(x, safe)  # noqa: E731

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,12 +46,14 @@ class Selection:
             unless a tier store holds tokens).
         budget: `[B, H]` the budget each head was given.
         scores: `[B, H, T]` the scores (None for score-free selectors).
+        protected: `[B, H]` how many tokens the protectors protected.
     """
 
     kept: Int[Tensor, "B H K"]
     order: Int[Tensor, "B H T"] | None
     budget: Int[Tensor, "B H"]
     scores: Float[Tensor, "B H T"] | None
+    protected: Int[Tensor, "B H"] | None = None
 
 
 def _flatten(block: Block, leaves: list[Block]) -> Any:
@@ -266,15 +269,17 @@ class Pipeline:
         fixed = [p for p in self.protectors if not isinstance(p, ProtectPrompt)]
         for p in fixed:
             protected |= p(view, bmin)
-        limit = per_head
+        retain = None
         if self.tier.holds_tokens:
-            candidates = (view.positions < FAR_POSITION).sum(-1)
-            limit = per_head + self.tier.retained(candidates, per_head, view.seen)
+            retain = partial(self.tier.retained, (view.positions < FAR_POSITION).sum(-1), per_head, view.seen)
+        limit = per_head if retain is None else per_head + retain(protected.sum(-1))
         room = int(limit.min()) - sum(p.max_count(bmin) for p in fixed)
         for p in self.protectors:
             if isinstance(p, ProtectPrompt):
                 protected |= p(view, bmin, room)
         n_prot = protected.sum(-1)
+        if retain is not None:
+            limit = per_head + retain(n_prot)
         if bool((n_prot > limit).any()):
             where = "" if limit is per_head else " plus what the tier keeps"
             raise KVComposeError(
@@ -283,7 +288,7 @@ class Pipeline:
             )
         kept, order = self.selector(scores, protected, view.valid, per_head, view.generator,
                                     need_order=self.tier.holds_tokens, positions=view.positions)
-        return Selection(kept=kept, order=order, budget=per_head, scores=scores), tuple(out_states)
+        return Selection(kept=kept, order=order, budget=per_head, scores=scores, protected=n_prot), tuple(out_states)
 
     def __repr__(self) -> str:
         if self.name:

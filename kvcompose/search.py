@@ -25,7 +25,8 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Float, Int

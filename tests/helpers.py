@@ -8,7 +8,7 @@ from kvcompose.view import LayerView
 
 
 def random_view(b=2, h=2, t=40, d=8, g=2, w=8, prompt=10, seen=None, pad=None, seed=0, layer_idx=0,
-                dtype=torch.float32, state=None) -> LayerView:
+                dtype=torch.float32, rows=None, cache_budget=None) -> LayerView:
     gen = torch.Generator().manual_seed(seed)
     seen = t if seen is None else seen
     keys = torch.randn(b, h, t, d, generator=gen).to(dtype)
@@ -29,5 +29,6 @@ def random_view(b=2, h=2, t=40, d=8, g=2, w=8, prompt=10, seen=None, pad=None, s
     return LayerView(
         layer_idx=layer_idx, num_layers=4, keys=keys, values=values, positions=positions, valid=valid,
         prompt_length=prompt, queries=queries, query_positions=qpos, query_valid=qvalid, seen=seen,
-        scale=d**-0.5, state=state or {}, generator=torch.Generator().manual_seed(seed + 1), event=0,
+        scale=d**-0.5, generator=torch.Generator().manual_seed(seed + 1), event=0, rows=rows,
+        cache_budget=cache_budget,
     )

@@ -15,10 +15,11 @@ from kvcompose import (
     GrowPage, HeadUtility, KVComposeCache, KVComposeError, Pipeline, ProtectRecent, Pyramid, ReasoningWave, TopK,
     Uniform, ValueNorm, WindowedAttention, methods,
 )
-from kvcompose.allocators import Allocator, calibrate_reasoning_wave, round_to_total
+from kvcompose.allocators import Allocator, round_to_total
+from kvcompose.calibration import calibrate_reasoning_wave, coverage_count
 from kvcompose.models import tiny_model
-from kvcompose.storage import POOL_SLACK, PagedKV, PagePool, RaggedLayer
-from kvcompose.view import LayerView
+from kvcompose.stores import POOL_SLACK, PagedStore, PagePool
+from kvcompose.view import LayerSpec, LayerView
 
 
 def _inputs(b=2, t=12, vocab=128, pad=(3, 0), seed=0):
@@ -139,7 +140,8 @@ def test_head_utility_conserves_total_and_floor(b, h, t, budget, floor, utility,
         with pytest.raises(KVComposeError, match="floor"):
             alloc(view, budget)
         return
-    out = alloc(view, budget)
+    out, state = alloc(view, budget)
+    assert state is None  # HeadUtility keeps no layer state
     assert out.shape == (b, h)
     assert (out.sum(-1) == h * budget).all()  # the layer's total per row is fixed
     assert (out >= f).all()  # no head starves
@@ -158,7 +160,7 @@ def _peaked_view(t=32, budget=8):
 
 @pytest.mark.parametrize("utility", ["mass", "entropy"])
 def test_head_utility_moves_budget_to_broad_heads(utility):
-    out = HeadUtility(floor=2, utility=utility, window=4)(_peaked_view(), 8)
+    out, _ = HeadUtility(floor=2, utility=utility, window=4)(_peaked_view(), 8)
     assert out.sum() == 16 and out[0, 1] > out[0, 0] and out[0, 0] >= 2
 
 
@@ -167,12 +169,12 @@ def test_head_utility_moves_budget_to_broad_heads(utility):
        cap=st.sampled_from([0.5, 1.0, 1.5]), events=st.integers(1, 4), seed=st.integers(0, 500))
 def test_growpage_respects_cap_and_floor(b, h, budget, page, cap, events, seed):
     alloc = GrowPage(page=page, initial=min(0.5, cap), cap=cap, coverage=0.95, window=8)
-    state: dict = {}
+    state = alloc.init(LayerSpec(0, 4, b, h, 8, 8, torch.device("cpu"), torch.float32))
+    assert state == {}
     for e in range(events):
         t = 40 + 4 * e
         v = random_view(b=b, h=h, t=t, w=8, seen=t + 10 * e, seed=seed + e)
-        v = LayerView(**{**v.__dict__, "state": {alloc.state_key: state}})
-        out = alloc(v, budget)
+        out, state = alloc(v, budget, state)
         assert (out % page == 0).all()
         assert (out >= page * alloc.floor).all()
         assert int(out.sum()) <= max(alloc.cap_pages(budget, b, h), b * h * alloc.initial_pages(budget)) * page
@@ -183,11 +185,12 @@ def test_growpage_grows_for_broad_heads_and_returns_pages():
     alloc = GrowPage(page=4, initial=0.25, cap=1.0, coverage=0.9, window=4)
     v = _peaked_view(t=32)
     state: dict = {}
-    v = LayerView(**{**v.__dict__, "state": {alloc.state_key: state}})
-    first = alloc(v, 16)  # cap: 2 heads x 16 tokens = 8 pages; start at 1 page each
+    first, state = alloc(v, 16, state)  # cap: 2 heads x 16 tokens = 8 pages; start at 1 page each
     assert first[0, 1] == 8 and first[0, 0] == 4  # the broad head takes a page, the peaked one stays
+    with pytest.raises(KVComposeError, match="Pipeline"):  # stateful: refuses a call without its state
+        alloc(v, 16)
     for _ in range(10):
-        out = alloc(v, 16)
+        out, state = alloc(v, 16, state)
     assert int(out.sum()) <= 32 and out[0, 1] > out[0, 0]
     assert state["denied"] > 0  # the cap stopped the broad head
 
@@ -208,9 +211,7 @@ def test_growpage_expected_attention_is_the_gaussian_query_mean():
     sharp = gp.expected_attention(v, mu, var * 0)
     assert torch.allclose(sharp[0, 0], torch.softmax((v.keys[0, 0] @ mu[0, 0]) * v.scale, -1), atol=1e-6)
     # here the spread broadens the expected attention: more keys are needed to cover 90% of it
-    from kvcompose.allocators import _coverage_count
-
-    assert int(_coverage_count(p, 0.9)) >= int(_coverage_count(sharp, 0.9))
+    assert int(coverage_count(p, 0.9)) >= int(coverage_count(sharp, 0.9))
 
 
 # ------------------------------------------------------------------------------------ storage
@@ -221,7 +222,7 @@ def test_paged_storage_matches_a_list_model(page, steps, seed):
     pages return to the pool and are handed out again."""
     g = torch.Generator().manual_seed(seed)
     b, h, d = 2, 3, 4
-    kv = PagedKV(b, h, d, d, torch.float32, "cpu", page_size=page)
+    kv = PagedStore(b, h, d, d, torch.float32, "cpu", page_size=page)
     model = [[[] for _ in range(h)] for _ in range(b)]
     seen = 0
     for q, keep_pct in steps:
@@ -232,7 +233,7 @@ def test_paged_storage_matches_a_list_model(page, steps, seed):
                 model[i][j] += [(seen + s, k[i, j, s]) for s in range(q)]
         seen += q
         # compact: each head keeps a random subset of its own size
-        kmax = kv.max_length
+        kmax = kv.held
         kept = torch.full((b, h, kmax), -1)
         for i in range(b):
             for j in range(h):
@@ -243,7 +244,7 @@ def test_paged_storage_matches_a_list_model(page, steps, seed):
                 model[i][j] = [model[i][j][t] for t in idx.tolist()]
         before = kv.pool.handed_out
         kv.compact(kept)
-        keys, values, pos, valid = kv.padded()
+        keys, values, pos, valid = kv.view()
         for i in range(b):
             for j in range(h):
                 n = len(model[i][j])
@@ -285,7 +286,7 @@ def test_allocated_bytes_follow_kept_tokens(page, per_head, big):
     n = 20 * page + 400
     if big:  # every head keeps at least 20 pages
         per_head = [20 * page + x for x in per_head]
-    kv = PagedKV(b, h, d, d, torch.float32, "cpu", page_size=page)
+    kv = PagedStore(b, h, d, d, torch.float32, "cpu", page_size=page)
     kv.append(torch.ones(b, h, n, d), torch.ones(b, h, n, d), torch.arange(n))
     lens = torch.tensor(per_head).reshape(b, h)
     idx = torch.arange(n).expand(b, h, n)
@@ -307,7 +308,7 @@ def test_allocated_bytes_follow_kept_tokens(page, per_head, big):
 def _ragged_store(seed=0, page=4):
     g = torch.Generator().manual_seed(seed)
     b, h, d, n = 2, 2, 16, 23
-    kv = PagedKV(b, h, d, d, torch.float32, "cpu", page_size=page)
+    kv = PagedStore(b, h, d, d, torch.float32, "cpu", page_size=page)
     kv.append(torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g), torch.arange(n),
               torch.tensor([[False] * 3 + [True] * (n - 3), [True] * n]))
     kept = torch.full((b, h, n), -1)
@@ -318,16 +319,18 @@ def _ragged_store(seed=0, page=4):
 
 
 def test_ragged_attention_equals_dense_masked_reference_and_kernel():
-    """Attention over unequal per-head lengths equals SDPA over each head's own kept tokens (one head at a
-    time, no padding), and the Triton paged kernel (interpreted on CPU) agrees with the reference path."""
-    from kvcompose.kernels import use_triton
-    from kvcompose.storage import ragged_attention
+    """Attention over unequal per-head lengths (the store's padded view, masked as the layer core masks it)
+    equals SDPA over each head's own kept tokens (one head at a time, no padding), and the Triton paged kernel
+    (interpreted on CPU) reading the store's pages directly agrees with it."""
+    from kvcompose.attention import attend, build_mask
+    from kvcompose.kernels import paged_decode_attention, use_triton
 
     kv, g = _ragged_store()
+    assert kv.ragged
     q = torch.randn(2, 4, 1, 16, generator=g)
     qpos = torch.tensor([23])
-    out = ragged_attention(q, kv, qpos, 0.25)
-    keys, values, pos, valid = kv.padded()
+    keys, values, pos, valid = kv.view()
+    out = attend(q, keys, values, build_mask(pos, valid, qpos, None), 0.25)
     for b in range(2):
         for h in range(2):
             n = int(kv.lengths[b, h])
@@ -336,8 +339,10 @@ def test_ragged_attention_equals_dense_masked_reference_and_kernel():
                 logits = (q[b, h * 2 + gq, 0] @ k.T) * 0.25
                 p = torch.softmax(logits.masked_fill(~ok, float("-inf")), -1)
                 assert torch.allclose(out[b, 0, h * 2 + gq], p @ v, atol=1e-5)
+    pool = kv.pool
     with use_triton(True):
-        fast = ragged_attention(q, kv, qpos, 0.25)
+        fast = paged_decode_attention(q, pool.keys, pool.values, pool.positions, pool.valid, kv.page_table,
+                                      kv.lengths, qpos, 0.25, None)
     assert torch.allclose(fast, out, atol=1e-4)
 
 
@@ -385,7 +390,7 @@ def test_logits_equal_reference_over_unequal_kept_sets(alloc):
         model(input_ids=ids[:, :-1], past_key_values=cache)
         kept = [cache.kept_positions(i) for i in range(2)]
         lengths = torch.stack([cache.layers[i].lengths for i in range(2)])
-        assert all(isinstance(layer, RaggedLayer) for layer in cache.layers)
+        assert all(isinstance(layer.segment.store, PagedStore) for layer in cache.layers)
         logits = model(input_ids=ids[:, -1:], past_key_values=cache).logits[:, -1]
         ref = _reference_logits(model, ids, kept)
     if not isinstance(alloc, GrowPage):
@@ -405,13 +410,26 @@ class _Lopsided(Allocator):
         return out
 
 
-def test_dense_layer_moves_to_ragged_storage_when_heads_differ():
+class _LopsidedPaged(_Lopsided):
+    """The same allocator, declaring per-head budgets (`uniform = False`): paged storage."""
+
+    uniform = False
+
+
+def test_unequal_heads_need_paged_storage():
+    """No class swapping any more: a `uniform` allocator that gives heads different budgets is refused by the
+    dense store with a clear error; declared per-head (`uniform = False`), the layer lives in paged storage
+    from the start and heads keep their own lengths."""
     model = tiny_model("llama", layers=2)
     ids, mask = _inputs(b=2, t=14, pad=(3, 0))
     cache = KVComposeCache(model, _pipe(_Lopsided()), budget=10, interval=4)
+    assert all(layer.segment.store is None for layer in cache.layers)
+    with pytest.raises(KVComposeError, match="uniform = False"):
+        _greedy(model, ids, mask, cache, n=20)
+    cache = KVComposeCache(model, _pipe(_LopsidedPaged()), budget=10, interval=4)
     out = _greedy(model, ids, mask, cache, n=20)
     assert out.shape == (2, 34)
-    assert all(isinstance(layer, RaggedLayer) for layer in cache.layers)
+    assert all(isinstance(layer.segment.store, PagedStore) for layer in cache.layers)
     ln = cache.layers[0].lengths
     assert (ln[:, 0] > ln[:, 1]).all()
 
@@ -465,7 +483,8 @@ def test_ragged_memory_is_sum_of_head_lengths_not_padded_max():
     for i, layer in enumerate(cache.layers):
         per = (layer.head_dim + layer.value_dim) * 4
         assert rep.by_layer[i] == int(layer.lengths.sum()) * per
-        pool = layer.kv.pool
+        assert isinstance(layer.segment.store, PagedStore)
+        pool = layer.segment.store.pool
         used = int(((layer.lengths + 7) // 8).sum())
         assert pool.n_used == used
         assert pool.capacity <= math.ceil(pool.n_used * (1 + POOL_SLACK)) + 4  # + one growth step of a page per head
@@ -484,12 +503,13 @@ def test_growpage_in_cache_cap_and_page_reuse():
     cache = KVComposeCache(model, pipe, budget=16, interval=4)
     _greedy(model, ids, mask, cache, n=40)
     alloc = pipe.allocator
+    leaf = pipe.leaves.index(alloc)  # the allocator's state is threaded by the pipeline, per layer
     for layer in cache.layers:
-        st_ = layer.alloc_state
+        st_ = layer.segment.blocks[leaf]
         assert int(st_["pages"].sum()) <= alloc.cap_pages(16, 2, 2)
-        assert (layer.limits == st_["pages"] * 4).all()
-        assert layer.kv.pool.reused > 0  # pages freed at compaction were handed out again
-    assert sum(layer.alloc_state.get("granted", 0) for layer in cache.layers) > 0
+        assert (layer.segment.limits == st_["pages"] * 4).all()
+        assert layer.segment.store.pool.reused > 0  # pages freed at compaction were handed out again
+    assert sum(layer.segment.blocks[leaf].get("granted", 0) for layer in cache.layers) > 0
 
 
 def test_ragged_beam_search_and_crop():
@@ -534,7 +554,24 @@ def test_bad_input_errors(tmp_path):
         GrowPage(initial=2.0, cap=1.0)
     with pytest.raises(KVComposeError, match="protectors"):  # Pyramid's last layer is smaller than the window
         KVComposeCache(model, methods.pyramid_rkv(methods.rkv(window=8), window=2), budget=10)
+
+def test_per_head_budgets_with_a_host_tier():
+    """Per-head budgets and a tier that holds tokens now work together (they were refused on the old ragged
+    layer): HBM follows each head's budget in paged storage, host memory keeps the rest, nothing is evicted."""
     from kvcompose import HostTier
 
-    with pytest.raises(KVComposeError, match="ragged"):
-        KVComposeCache(model, Pipeline(ProtectRecent(2), ValueNorm(), TopK(), HeadUtility(floor=2), HostTier()), budget=32)
+    model = tiny_model("llama", layers=2)
+    ids, mask = _inputs(b=2, t=14, pad=(3, 0))
+    pipe = Pipeline(ProtectRecent(2), ValueNorm(), TopK(), HeadUtility(floor=2, window=4, page_size=4), HostTier())
+    cache = KVComposeCache(model, pipe, budget=8, interval=4)
+    _greedy(model, ids, mask, cache, n=16)
+    seen = cache.get_seq_length()
+    for layer in cache.layers:
+        assert isinstance(layer.segment.store, PagedStore)
+        assert layer.events > 0
+        tier = layer.segment.tier
+        hbm = layer.lengths
+        # every token seen is in HBM or in host memory (left padding included), never both
+        assert torch.equal(hbm + tier["positions"].lt(seen).sum(-1), torch.full_like(hbm, seen))
+        assert (hbm.sum(-1) < 2 * (8 + 4)).all()  # HBM: the heads share 2 x 8 tokens, plus < one interval each
+    assert cache.memory().by_tier["host"] > 0

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from helpers import random_view
 from kvcompose import (
-    AccumulatedAttention, KeyNorm, KeyRedundancy, KVComposeError, LastQueryAttention, Pipeline, ProtectPrompt,
+    AccumulatedAttention, AttentionStep, KeyNorm, KeyRedundancy, KVComposeError, LastQueryAttention, Pipeline, ProtectPrompt,
     ProtectRecent, ProtectSinks, ProtectValueNorm, RandomDrop, RandomScore, Recency, Sample, TopK, ValueNorm,
     WindowedAttention,
 )
@@ -20,7 +20,9 @@ def _select(kind, view, protected, budget, seed):
     scores = None if kind == "random" else ValueNorm()(view)
     g = torch.Generator().manual_seed(seed)
     b, h, _ = view.shape
-    return sel(scores, protected, view.valid, torch.full((b, h), budget), g)
+    kept, order = sel(scores, protected, view.valid, torch.full((b, h), budget), g)
+    assert order is None  # the full priority order only on request (need_order=True)
+    return kept
 
 
 @given(
@@ -78,16 +80,30 @@ def test_sample_prefers_high_scores():
     view = random_view(b=1, h=1, t=50, seen=50)
     scores = torch.full((1, 1, 50), 1e-3)
     scores[..., :10] = 1000.0
-    kept = Sample()(scores, torch.zeros(1, 1, 50, dtype=torch.bool), view.valid, torch.full((1, 1), 10),
-                    torch.Generator().manual_seed(0))
+    kept, _ = Sample()(scores, torch.zeros(1, 1, 50, dtype=torch.bool), view.valid, torch.full((1, 1), 10),
+                       torch.Generator().manual_seed(0))
     assert kept.tolist() == [[list(range(10))]]
 
 
-def test_selector_rejects_overfull_protection():
-    view = random_view(b=1, h=1, t=20, seen=20)
-    protected = torch.ones(1, 1, 20, dtype=torch.bool)
+def test_pipeline_rejects_overfull_protection():
+    # the pipeline (not the selector) refuses protected tokens beyond the budget when no tier keeps them
+    view = random_view(b=1, h=1, t=20, seen=20, prompt=20)
     with pytest.raises(KVComposeError, match="protected tokens do not fit"):
-        TopK()(torch.zeros(1, 1, 20), protected, view.valid, torch.full((1, 1), 5))
+        Pipeline(ProtectSinks(4), ProtectRecent(8), ValueNorm(), TopK()).select(view, 10)
+
+
+def test_selector_overfull_protection_ranks_protected_by_priority():
+    # a selector given more protected tokens than the budget (allowed when a tier keeps the rest) keeps the
+    # `budget` protected tokens of highest priority, and its order lists every protected token first
+    view = random_view(b=1, h=1, t=20, seen=20)
+    scores = torch.arange(20, dtype=torch.float32).reshape(1, 1, 20)
+    protected = torch.zeros(1, 1, 20, dtype=torch.bool)
+    protected[..., :12] = True
+    kept, order = TopK()(scores, protected, view.valid, torch.full((1, 1), 5), need_order=True)
+    assert kept.tolist() == [[[7, 8, 9, 10, 11]]]
+    assert order[0, 0, :5].sort().values.tolist() == [7, 8, 9, 10, 11]
+    assert order[0, 0, 5:12].tolist() == [6, 5, 4, 3, 2, 1, 0]
+    assert order[0, 0, 12:].tolist() == list(range(19, 11, -1))
 
 
 def test_protect_sinks_recent_prompt():
@@ -144,16 +160,24 @@ def test_scorer_arithmetic():
     expect = 0.1 * a(view) - 0.9 * b(view) + 2.0
     assert torch.allclose(combo(view), expect)
     assert torch.allclose((-a)(view), -a(view))
-    assert set(map(type, combo.blocks())) == {ValueNorm, KeyNorm}
+    assert set(map(type, combo.children())) == {ValueNorm, KeyNorm}
 
 
 def test_scorers_shapes_and_finite():
     view = random_view(b=2, h=2, t=24, w=8, seen=30)
     for s in [ValueNorm(), ValueNorm("l2"), KeyNorm(), Recency(), RandomScore(), KeyRedundancy(),
               WindowedAttention(8), WindowedAttention(4, gqa="max", pool="max", kernel=7, exclude_recent=4),
-              LastQueryAttention(), LastQueryAttention(per_head=True), AccumulatedAttention()]:
+              LastQueryAttention(), LastQueryAttention(per_head=True)]:
         out = s(view)
         assert out.shape == (2, 2, 24) and torch.isfinite(out).all(), s
+    # AccumulatedAttention scores its token state (one channel per held token), which observe() updates
+    acc = AccumulatedAttention()
+    step = AttentionStep(view.queries, view.keys, view.positions, view.valid, None, view.scale)
+    state = acc.observe(torch.zeros(2, 2, 24), step)
+    out = acc(view, state)
+    assert out.shape == (2, 2, 24) and torch.isfinite(out).all() and torch.equal(out, state)
+    # every query spreads one unit of attention over the keys: the total is the number of queries (Hq/H * W)
+    assert torch.allclose(state.sum(-1), torch.full((2, 2), 2.0 * 8))
 
 
 def test_tova_one_keep_set_per_layer():
@@ -191,7 +215,8 @@ def test_pipeline_composition_errors():
 def test_pipeline_select_keeps_budget_and_protection():
     view = random_view(b=2, h=2, t=40, w=8, seen=60, prompt=10)
     p = Pipeline(ProtectRecent(8), ProtectPrompt(), RandomDrop())
-    sel = p.select(view, 20)
+    sel, states = p.select(view, 20)
+    assert len(states) == len(p.leaves)
     assert sel.kept.shape == (2, 2, 20)
     kept_pos = view.positions.gather(-1, sel.kept)
     assert ((kept_pos >= 52).sum(-1) == 8).all()

@@ -51,8 +51,9 @@ def _stored_bytes(cache):
     total = 0
     for node in cache._all_nodes():
         for seg in node.segs:
-            if seg.m:
-                total += seg.get("k").nbytes + seg.get("v").nbytes
+            if seg.store is not None and seg.store.held:
+                view = seg.store.view()
+                total += view.keys.nbytes + view.values.nbytes
     return total
 
 
@@ -110,8 +111,10 @@ def test_shared_prefix_is_stored_once():
     assert naive_bytes == 4 * (47 + 8) * per_token
     assert stored < 0.5 * naive_bytes
     # the root's tokens exist once: every child's path starts with the very same storage
-    root_k = cache._root.segs[0].get("k")
-    assert sum(1 for n in cache._all_nodes() if n.segs[0].m and n.segs[0].get("k").data_ptr() == root_k.data_ptr()) == 1
+    root_k = cache._root.segs[0].store.view().keys
+    assert sum(1 for n in cache._all_nodes()
+               if n.segs[0].store is not None and n.segs[0].store.held
+               and n.segs[0].store.view().keys.data_ptr() == root_k.data_ptr()) == 1
 
 
 def test_copy_on_write_never_changes_another_branch():
@@ -156,7 +159,7 @@ def test_rehydration_from_host_is_bit_exact(scorer):
     cache, prompt, a, b = _tree_with_compressed_branch(model, HostTier(), scorer)
     assert cache.is_compressed(a) and not cache.is_compressed(b)
     if cache.pipeline.query_window:  # the value estimator saw a's own queries
-        assert cache._branches[a].segs[0].q_buf.shape[2] == 4
+        assert cache._branches[a].segs[0].ring.queries.shape[2] == 4
     mem = cache.memory()
     assert mem.host > 0 and mem.held_tokens <= 16 + 12 + 3 + 12 + 3  # a keeps ceil(0.25 * 12) = 3 on device
     cache.switch(a)

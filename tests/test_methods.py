@@ -12,7 +12,7 @@ from kvcompose.models import tiny_model
 
 
 def kept_positions(pipeline, view, budget):
-    sel = pipeline.select(view, budget)
+    sel, _ = pipeline.select(view, budget)
     return view.positions.gather(-1, sel.kept)
 
 
@@ -80,8 +80,10 @@ def test_h2o_accumulated_attention_matches_bruteforce():
         for i in range(6):
             model(input_ids=ids[:, i : i + 1], past_key_values=cache)
     layer = cache.layers[0]
-    scorer = cache.pipeline.scorer
-    acc = layer.token_state[scorer.state_key][:, :, : layer.held]
+    pipe = cache.pipeline
+    leaf = pipe.leaves.index(pipe.scorer)
+    acc = layer.segment.store.read_channels()[..., pipe._slices[leaf]][..., 0]  # [B, H, T]: its one channel
+    assert acc.shape == (1, 2, layer.held)
     # brute force: replay all queries of the layer over the full sequence (no eviction happened: budget 64)
     assert layer.events == 0
     attn = model.model.layers[0].self_attn
@@ -176,7 +178,7 @@ def test_vase_samples_in_proportion_to_attention():
     counts = torch.zeros(40)
     for seed in range(200):
         v = replace(view, generator=torch.Generator().manual_seed(seed))
-        counts[pipe.select(v, 16).kept[0, 0]] += 1
+        counts[pipe.select(v, 16)[0].kept[0, 0]] += 1
     scores = pipe.scorer(view)[0, 0]
     protected = counts == 200
     free = (~protected) & (scores > 0)

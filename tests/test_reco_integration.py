@@ -6,7 +6,7 @@ expected budgets are known exactly.
 
 from __future__ import annotations
 
-import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +19,7 @@ from kvcompose import KVComposeCache, KVComposeError, Pipeline, methods
 from kvcompose.allocators import HeadUtility, Pyramid
 from kvcompose.methods.reco import Reco, RewardAllocator
 from kvcompose.models import tiny_model
+from kvcompose.stores import PagedStore
 from kvcompose.reco import (
     ConfidenceStopping,
     ForcePrefix,
@@ -29,9 +30,6 @@ from kvcompose.reco import (
     StepInfo,
     StepReward,
 )
-
-HAS_RAGGED = importlib.util.find_spec("kvcompose.storage") is not None
-
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -125,8 +123,8 @@ class Monitor(LogitsProcessor):
 
 def per_row_held(layer):
     """Real (valid) tokens held per row, max over heads."""
-    if hasattr(layer, "kv") and layer.kv is not None:  # ragged storage
-        return layer.kv.lengths.max(-1).values.tolist()
+    if isinstance(layer.segment.store, PagedStore):  # per-row budgets: paged storage
+        return layer.lengths.max(-1).values.tolist()
     return layer.valid.sum(-1).max(-1).values.tolist()
 
 
@@ -163,7 +161,8 @@ def test_budget_is_monotone_non_increasing_in_reward(rewards, base, lo_hi, min_s
     budgets = []
     for r in sorted(rewards):
         alloc.tracker = FixedRewards([r])
-        out = alloc(view, base)
+        out, state = alloc(view, base)
+        assert state is None  # stateless: the reward is read from the tracker
         assert out.shape == (1, 3) and out.dtype == torch.long
         assert (out == out[0, 0]).all()  # one budget per row, every head
         assert int(out[0, 0]) == sched(r, base) and 1 <= int(out[0, 0]) <= base
@@ -177,13 +176,9 @@ def test_allocate_fills_rows_by_policy():
     src = FixedRewards([0.0, 1.0, 0.5])
     per_row = [sched(r, 100) for r in src.rewards]
     assert per_row == [100, 50, 75]
-    assert RewardAllocator(src, sched, batch="min")(view, 100).tolist() == [[50, 50]] * 3
-    assert RewardAllocator(src, sched, batch="max")(view, 100).tolist() == [[100, 100]] * 3
-    if HAS_RAGGED:
-        assert RewardAllocator(src, sched, batch="row")(view, 100).tolist() == [[b, b] for b in per_row]
-    else:
-        with pytest.raises(KVComposeError, match="batch size 1"):
-            RewardAllocator(src, sched, batch="row")(view, 100)
+    assert RewardAllocator(src, sched, batch="min")(view, 100)[0].tolist() == [[50, 50]] * 3
+    assert RewardAllocator(src, sched, batch="max")(view, 100)[0].tolist() == [[100, 100]] * 3
+    assert RewardAllocator(src, sched, batch="row")(view, 100)[0].tolist() == [[b, b] for b in per_row]
 
 
 def test_layer_budget_is_the_cap_and_the_schedule_applies_once():
@@ -192,18 +187,19 @@ def test_layer_budget_is_the_cap_and_the_schedule_applies_once():
     sched = RewardBudgetSchedule(1, low=0.0, high=1.0, min_scale=0.5)
     src = FixedRewards([1.0, 0.0])
     view = random_view(b=2, h=2, t=20, d=4, w=4, layer_idx=1)
+    cached = replace(view, cache_budget=128)  # what the cache hands over: its own budget rides on the view
     for batch, cap in [("min", 64), ("max", 128)]:
         alloc = RewardAllocator(src, sched, batch=batch)
-        assert alloc.layer_budget(1, 4, 128) == cap
-        assert alloc(view, cap).tolist() == [[cap, cap]] * 2
-    if HAS_RAGGED:
-        alloc = RewardAllocator(src, sched, batch="row")
-        assert not alloc.uniform_per_layer
-        assert alloc.layer_budget(1, 4, 128) == 128
-        assert alloc(view, 128).tolist() == [[64, 64], [128, 128]]
-    # outside the cache protocol, `budget` is the base budget
+        assert alloc.uniform
+        assert alloc.layer_budget(1, 4, 128, 200) == cap
+        assert alloc(cached, cap)[0].tolist() == [[cap, cap]] * 2
+    alloc = RewardAllocator(src, sched, batch="row")
+    assert not alloc.uniform  # per-row budgets: paged storage
+    assert alloc.layer_budget(1, 4, 128, 200) == 128
+    assert alloc(cached, 128)[0].tolist() == [[64, 64], [128, 128]]
+    # outside the cache protocol (no cache budget on the view), `budget` is the base budget
     alloc = RewardAllocator(FixedRewards([1.0, 1.0]), sched)
-    assert alloc(view, 80).tolist() == [[40, 40]] * 2
+    assert alloc(view, 80)[0].tolist() == [[40, 40]] * 2
 
 
 def test_budget_follows_a_real_tracker():
@@ -214,24 +210,24 @@ def test_budget_follows_a_real_tracker():
     alloc = RewardAllocator(tr, sched)
     ids = torch.tensor([[1, 2, 3]])
     tr.observe(ids, torch.zeros(1, 128))  # the prompt: a new generation starts
-    assert alloc.layer_budget(0, 2, 400) == sched(tr.default_reward, 400)  # before the first step
+    assert alloc.layer_budget(0, 2, 400, 10) == sched(tr.default_reward, 400)  # before the first step
     for i, r in enumerate(script):
         ids = torch.cat([ids, torch.tensor([[7]])], 1)
         tr.observe(ids, torch.zeros(1, 128))
         assert tr.rewards_of(0)[-1] == r
-        assert alloc.layer_budget(0, 2, 400) == sched(r, 400) == int((1 - 0.75 * r) * 400 + 1e-9)
+        assert alloc.layer_budget(0, 2, 400, 10) == sched(r, 400) == int((1 - 0.75 * r) * 400 + 1e-9)
 
 
 def test_protection_floor_from_bind_and_check(model):
     """R-KV always keeps its 8 newest tokens: a scheduled budget below 8 is raised to 8."""
     sched = RewardBudgetSchedule(1, low=0.0, high=1.0, min_scale=0.01)
     alloc = RewardAllocator(FixedRewards([1.0]), sched)
-    assert alloc.layer_budget(0, 2, 100) == 1  # unbound: no floor known
+    assert alloc.layer_budget(0, 2, 100, 30) == 1  # unbound: no floor known
     p = methods.with_allocator(methods.rkv(), alloc)
     KVComposeCache(model, p, budget=100)  # the cache calls allocator.check(pipeline, ...) -> bind
-    assert alloc.layer_budget(0, 2, 100) == 8
+    assert alloc.layer_budget(0, 2, 100, 30) == 8
     view = random_view(b=1, h=2, t=30, d=16, w=8)
-    assert p.select(view, 8).kept.shape[-1] == 8  # does not raise "protected tokens do not fit"
+    assert p.select(view, 8)[0].kept.shape[-1] == 8  # does not raise "protected tokens do not fit"
 
 
 def test_wraps_a_per_layer_allocator():
@@ -239,7 +235,7 @@ def test_wraps_a_per_layer_allocator():
     pyr = Pyramid(window=8, beta=20.0)
     alloc = RewardAllocator(FixedRewards([1.0]), sched, inner=pyr)
     base = pyr.layer_budgets(4, 256)
-    assert [alloc.layer_budget(i, 4, 256) for i in range(4)] == [b // 2 for b in base]
+    assert [alloc.layer_budget(i, 4, 256, 300) for i in range(4)] == [b // 2 for b in base]
     r = methods.reco(CharTok(), base=methods.pyramid_rkv(), budget=256, bands=(), stop_k=None)
     assert isinstance(r.allocator.inner, Pyramid)
 
@@ -319,10 +315,10 @@ def test_batch_min_policy_gives_every_row_the_smallest_budget(model):
     assert all(len(h) == 2 and h[0] == h[1] and h[0] <= 16 + 8 for h in last)
 
 
-@pytest.mark.skipif(not HAS_RAGGED, reason="per-row budgets need ragged storage (kvcompose.storage)")
 def test_batch_row_policy_gives_each_row_its_own_budget(model):
     """B=2 with policy 'row' (ragged storage): the confident row keeps 16 tokens, the other 32."""
     log, cache, _ = run_scripted(model, lambda i, row: 1.0 if row == 0 else 0.0, rows=2, batch="row")
+    assert all(isinstance(layer.segment.store, PagedStore) for layer in cache.layers)
     seen_events = 0
     for rewards, events, held in log:
         if events > seen_events:

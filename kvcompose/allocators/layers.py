@@ -30,8 +30,9 @@ class SeenShare(Allocator):
 
     Args:
         hbm_ratio: share of seen tokens held in HBM, in (0, 1].
-        compressed_ratio, evict_ratio: the shares the tier quantizes and evicts (so that the four shares
-            are floored exactly as the tier floors them).
+        compressed_ratio: the share the tier quantizes (so that the four shares are floored exactly as the
+            tier floors them).
+        evict_ratio: the share the tier evicts (likewise).
     """
 
     needs_budget = False

@@ -28,8 +28,12 @@ class DenseStore:
     `valid [B, H, cap]`, channels `[B, H, cap, C]` float32; the first `held` slots are tokens.
 
     Args:
-        batch, heads, head_dim, value_dim: B, H, D, Dv.
-        dtype, device: of keys and values (positions, flags and channels live on the same device).
+        batch: B rows.
+        heads: H KV heads.
+        head_dim: D, the key width.
+        value_dim: Dv, the value width.
+        dtype: of keys and values.
+        device: of keys and values (positions, flags and channels live on the same device).
         channels: C, float32 channels of token-aligned block state.
         target: slots the buffers grow up to and shrink back to (the layer's `budget + interval`); 0 means
             no compression is expected (the buffers just grow).

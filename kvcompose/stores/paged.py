@@ -188,8 +188,12 @@ class PagedStore:
             `page_table[b, h, t // P] * P + t % P` of the pool's flattened slot axis.
 
     Args:
-        batch, heads, head_dim, value_dim: B, H, D, Dv.
-        dtype, device: of keys and values (every other tensor lives on the same device).
+        batch: B rows.
+        heads: H KV heads.
+        head_dim: D, the key width.
+        value_dim: Dv, the value width.
+        dtype: of keys and values.
+        device: of keys and values (every other tensor lives on the same device).
         page_size: tokens per page (P, default 16).
         channels: C, float32 channels of token-aligned block state.
         slack: the pool's tolerated free share.

@@ -137,14 +137,17 @@ class TierStore(Block):
     def init(self, spec: LayerSpec) -> dict[str, Any]:
         return {}
 
-    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int) -> Int[Tensor, "B H"]:
-        """How many of the `candidates - kept` non-kept candidates of each (row, head) the store keeps."""
+    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int,
+                 protected: Int[Tensor, "B H"] | None = None) -> Int[Tensor, "B H"]:
+        """How many of the `candidates - kept` non-kept candidates of each (row, head) the store keeps
+        (`protected`: protected tokens per head, which a store that keeps tokens never evicts)."""
         return torch.zeros_like(kept)
 
-    def store(self, state: dict[str, Any], tokens: TierTokens, seen: int,
-              kept: Int[Tensor, "B H"]) -> dict[str, Any]:
+    def store(self, state: dict[str, Any], tokens: TierTokens, seen: int, kept: Int[Tensor, "B H"],
+              protected: Int[Tensor, "B H"] | None = None) -> dict[str, Any]:
         """The store's new state after receiving `tokens`, the candidates not kept in HBM in priority
-        order (`kept[b, h]` candidates stayed in HBM; `seen` tokens seen by the layer)."""
+        order (protected ones first; `kept[b, h]` candidates stayed in HBM, `protected[b, h]` tokens were
+        protected in all; `seen` tokens seen by the layer)."""
         raise NotImplementedError  # pragma: no cover - abstract
 
     def fetch(self, state: dict[str, Any]) -> TierTokens | None:
@@ -179,7 +182,7 @@ class Evict(TierStore):
     """Plain eviction: non-kept tokens are freed (the last tier of "Not All Thoughts Need HBM", and every
     eviction method's only one). Holds nothing, so attention sees HBM tokens `[B, H, T, D]` only."""
 
-    def store(self, state, tokens, seen, kept):
+    def store(self, state, tokens, seen, kept, protected=None):
         return state
 
 

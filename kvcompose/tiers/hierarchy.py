@@ -80,21 +80,25 @@ class Hierarchy(TierStore):
         self.host = host if host is not None else HostTier()
         self.compressed = compressed if compressed is not None else CompressedTier(bits=8)
 
-    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int) -> Int[Tensor, "B H"]:
+    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int,
+                 protected: Int[Tensor, "B H"] | None = None) -> Int[Tensor, "B H"]:
         keep_total = seen - floor_share(self.evict_ratio, seen)
-        return (candidates.clamp(max=keep_total) - kept).clamp(min=0)
+        out = (candidates.clamp(max=keep_total) - kept).clamp(min=0)
+        if protected is not None:  # protected tokens are never evicted: fewer go than the share asks
+            out = torch.maximum(out, (protected - kept).clamp(min=0))
+        return out
 
-    def split(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int
-              ) -> tuple[Int[Tensor, "B H"], Int[Tensor, "B H"]]:
+    def split(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int,
+              protected: Int[Tensor, "B H"] | None = None) -> tuple[Int[Tensor, "B H"], Int[Tensor, "B H"]]:
         """`(host, compressed)` counts of the non-kept candidates of each (row, head); the rest is evicted."""
-        retain = self.retained(candidates, kept, seen)
+        retain = self.retained(candidates, kept, seen, protected)
         n_comp = retain.clamp(max=floor_share(self.compressed_ratio, seen))
         return retain - n_comp, n_comp
 
-    def store(self, state, tokens, seen, kept):
+    def store(self, state, tokens, seen, kept, protected=None):
         state = dict(state)
         real = (tokens.positions < FAR_POSITION).sum(-1)
-        n_host, n_comp = self.split(kept + real, kept, seen)
+        n_host, n_comp = self.split(kept + real, kept, seen, protected)
         zero = torch.zeros_like(n_host)
         state["host"] = self.host.store(state.get("host", {}), _slice(tokens, zero, n_host), seen, kept)
         state["compressed"] = self.compressed.store(state.get("compressed", {}), _slice(tokens, n_host, n_comp),

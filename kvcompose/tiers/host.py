@@ -38,10 +38,11 @@ class HostTier(TierStore):
     def __init__(self, device: str | torch.device | None = None):
         self.device = resolve_device(device, "HostTier")
 
-    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int) -> Int[Tensor, "B H"]:
+    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int,
+                 protected: Int[Tensor, "B H"] | None = None) -> Int[Tensor, "B H"]:
         return (candidates - kept).clamp(min=0)
 
-    def store(self, state, tokens, seen, kept):
+    def store(self, state, tokens, seen, kept, protected=None):
         dev = tokens.keys.device
         check_device(self.device, dev, "HostTier")
         state = dict(state)

@@ -1,6 +1,6 @@
 """Paged decode attention over unequal per-head lengths: Triton (interpreted on CPU) vs the
 PyTorch reference, the reference vs naive loops and vs ``kvcompose.attention.attend`` on the
-padded view, and the storage's own ``ragged_attention``.
+padded view, and the layer core's padded path on a real ``PagedStore``.
 
 The interpreter costs tens of ms per program here, so grids stay small: B * H <= 4, at most
 3 KV splits, lengths below 80 tokens."""
@@ -240,19 +240,21 @@ def test_matches_attend_on_the_padded_view(dtype, window):
 
 @pytest.mark.skipif(not TRITON_OK, reason="no Triton path")
 def test_on_kvcompose_paged_storage():
-    """On a real `kvcompose.storage.PagedKV` after appends and per-head compactions, the kernel
-    equals the storage's own `ragged_attention` (padded gather + attend)."""
-    storage = pytest.importorskip("kvcompose.storage")
+    """On a real `kvcompose.stores.PagedStore` after appends and per-head compactions, the kernel equals the
+    layer core's padded path (padded gather + per-head mask + attend)."""
+    from kvcompose.attention import attend, build_mask
+    from kvcompose.stores import PagedStore
+
     g = gen(5)
     B, H, G, D, P = 2, 2, 2, 16, 4
-    kv = storage.PagedKV(B, H, D, D, torch.float32, DEVICE, page_size=P)
+    kv = PagedStore(B, H, D, D, torch.float32, DEVICE, page_size=P)
     seen = 0
     for step, n in enumerate((11, 1, 1, 6, 1)):
         kv.append(torch.randn(B, H, n, D, generator=g).to(DEVICE), torch.randn(B, H, n, D, generator=g).to(DEVICE),
                   torch.arange(seen, seen + n, device=DEVICE))
         seen += n
         if step in (1, 3):  # keep a random ascending subset per head, of different sizes
-            t = int(kv.lengths.max())
+            t = kv.held
             keep = torch.rand(B, H, t, generator=gen(step)).to(DEVICE) < 0.6
             keep[..., -1] = True
             idx = torch.arange(t, device=DEVICE).expand(B, H, t)
@@ -260,12 +262,52 @@ def test_on_kvcompose_paged_storage():
     assert kv.lengths.unique().numel() > 1
     q = torch.randn(B, H * G, 1, D, generator=g).to(DEVICE)
     qpos = torch.tensor([seen - 1], device=DEVICE)
-    want = storage.ragged_attention(q, kv, qpos, D ** -0.5)
+    view = kv.view()
+    want = attend(q, view.keys, view.values, build_mask(view.positions, view.valid, qpos), D ** -0.5)
     pool = kv.pool
     with K.use_triton(True):
         got = K.paged_decode_attention(q, pool.keys, pool.values, pool.positions, pool.valid, kv.page_table, kv.lengths,
                                        qpos, D ** -0.5)
     torch.testing.assert_close(got, want, **PAGED_TOL[torch.float32])
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="no Triton path")
+def test_layer_core_calls_the_paged_kernel():
+    """Where the dispatch picks Triton, a paged layer's decode attention runs the paged kernel straight on the
+    pages, and gives what the padded path gives."""
+    from kvcompose import KVComposeCache, methods
+    from kvcompose.models import tiny_model
+
+    model = tiny_model("llama", layers=1).to(DEVICE)
+    ids = torch.randint(3, 128, (2, 20), generator=gen(1)).to(DEVICE)
+    calls = []
+    orig = PA.paged_decode_attention
+
+    def run(triton):
+        cache = KVComposeCache(model, methods.reason_alloc(base=methods.snapkv(window=2), window=4), budget=12,
+                               interval=4)
+        with K.use_triton(triton), torch.no_grad():
+            model(input_ids=ids[:, :16], past_key_values=cache)
+            out = [model(input_ids=ids[:, i : i + 1], past_key_values=cache).logits for i in range(16, 20)]
+        assert cache.layers[0].events > 0 and cache.layers[0].lengths.unique().numel() > 1
+        return torch.cat(out, 1)
+
+    import kvcompose.layer as layer_mod
+
+    def spy(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    real = layer_mod.paged_decode_attention
+    layer_mod.paged_decode_attention = spy
+    try:
+        ref = run(False)
+        assert not calls
+        got = run(True)
+    finally:
+        layer_mod.paged_decode_attention = real
+    assert calls  # the kernel ran for the decode steps
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
 
 
 # ============================================================================ dispatch, errors, annotations
