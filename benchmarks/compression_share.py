@@ -5,10 +5,8 @@ For every method in `kvcompose.methods.PRESETS` this greedy-decodes `--new-token
 `KVComposeCache(model, preset(), budget, interval)` and measures, in the same run:
 
 - decode wall time (first to last generated token, prefill excluded; `kvcompose.bench.speed.measure_decode`);
-- time inside `KVComposeLayer.compress` (the whole event: scoring, selection, tier store, compaction), by
-  wrapping the bound `compress` of the cache's own layer objects (the wrapper dispatches on the layer's
-  class at call time, so a dense layer that moves onto ragged storage mid-run stays timed; nothing in
-  transformers is patched);
+- time inside compression events (the whole event: scoring, selection, tier store, compaction), from the
+  cache's own counters `cache.stats.compress_seconds` / `compress_calls` (nothing is patched);
 - compression share = compress time / decode time, and tokens/s as a ratio to the full cache.
 
 The full cache runs first and last; its mean is the baseline and the drift between its two runs is
@@ -37,29 +35,8 @@ from kvcompose.bench.speed import measure_decode  # noqa: E402
 
 
 def time_compress(cache: KVComposeCache) -> KVComposeCache:
-    """Give `cache` the `compress_seconds` / `compress_calls` counters that `measure_decode` reads, and
-    time every `compress()` of its layers (instance attributes shadowing the class method)."""
-    cache.compress_seconds = 0.0
-    cache.compress_calls = 0
-
-    def wrap(layer):
-        def compress():
-            dev = layer.device
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            try:
-                return type(layer).compress(layer)  # the class at call time (ragged adoption swaps it)
-            finally:
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                cache.compress_seconds += time.perf_counter() - t0
-                cache.compress_calls += 1
-
-        layer.compress = compress
-
-    for layer in cache.layers:
-        wrap(layer)
+    """`cache` itself: every `KVComposeCache` now times its compression events in `cache.stats`
+    (`compress_seconds`, `compress_calls`), which `measure_decode` reads. Kept for the scripts that call it."""
     return cache
 
 
@@ -87,7 +64,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--methods", default=",".join(methods.PRESETS), help="comma-separated PRESETS names")
     ap.add_argument("--tiny", action="store_true", help="a tiny random model instead of SmolLM2")
-    ap.add_argument("--data", default="/work/shared/data/gsm8k/test.jsonl", help="JSONL with a 'question' field")
+    ap.add_argument("--data", default=os.environ.get("KVCOMPOSE_GSM8K"), help="JSONL with a 'question' field (default: $KVCOMPOSE_GSM8K)")
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")

@@ -17,7 +17,7 @@ The first three evict the same tokens (same evict_ratio, same ranking), so `host
 figure (pinned host buffers, side-stream copies, layer-ahead prefetch) must be measured on a GPU.
 
 Usage:
-    python benchmarks/tiers_speed.py --data /work/shared/data/gsm8k/test.jsonl --new-tokens 512 --repeats 3
+    python benchmarks/tiers_speed.py --data path/to/gsm8k/test.jsonl --new-tokens 512 --repeats 3
     python benchmarks/tiers_speed.py --tiny   # a tiny random model, seconds (smoke test)
 """
 
@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcompose import KVComposeCache, methods  # noqa: E402
-from kvcompose.bench.speed import TimedCache, measure_decode  # noqa: E402
+from kvcompose.bench.speed import measure_decode  # noqa: E402
 
 
 def configs(hbm: float, compressed: float, evict: float):
@@ -65,7 +65,7 @@ def check_identical(model, ids, hbm, evict, interval, n=64) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="/work/shared/data/gsm8k/test.jsonl", help="JSONL with a 'question' field")
+    ap.add_argument("--data", default=os.environ.get("KVCOMPOSE_GSM8K"), help="JSONL with a 'question' field (default: $KVCOMPOSE_GSM8K)")
     ap.add_argument("--index", type=int, default=0, help="which question to use as the prompt")
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
@@ -103,7 +103,7 @@ def main() -> None:
     mem: dict[str, dict] = {}
     for r in range(args.repeats):
         for name, make in cfg.items():
-            cache = TimedCache(model, make(), interval=args.interval)
+            cache = KVComposeCache(model, make(), interval=args.interval)
             res = measure_decode(model, ids, cache, args.new_tokens, name=name)
             times[name].append(res.decode_seconds)
             rep = cache.memory()

@@ -6,7 +6,7 @@ compressed (a quarter of their tokens stay, the rest go to host memory or are ev
 return).
 
     python examples/tree_search_gsm8k.py                      # the built-in question
-    python examples/tree_search_gsm8k.py --data /work/shared/data/gsm8k/test.jsonl --index 3 --budget 256
+    python examples/tree_search_gsm8k.py --data path/to/gsm8k/test.jsonl --index 3 --budget 256
     python examples/tree_search_gsm8k.py --tiny               # a tiny random model: seconds, for CI
 
 The GSM8K file is read from the path given (one JSON object per line with "question" and "answer");
@@ -35,7 +35,7 @@ SYSTEM = "Solve the math problem step by step, one short step per line. Finish w
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny random Llama, no tokenizer, token-count steps (CI)")
-    p.add_argument("--data", default=None, help="GSM8K jsonl (e.g. /work/shared/data/gsm8k/test.jsonl)")
+    p.add_argument("--data", default=None, help="GSM8K-style JSONL, e.g. GSM8K's test.jsonl (default: a built-in question)")
     p.add_argument("--index", type=int, default=0, help="line of the jsonl to solve")
     p.add_argument("--strategy", choices=["bfs", "best_first"], default="bfs")
     p.add_argument("--width", type=int, default=4)

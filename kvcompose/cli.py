@@ -2,7 +2,10 @@
 
     kvcompose generate [--question TEXT | --data PATH --index I] [--method vase] [--budget 128] [--compare]
     kvcompose bench fidelity [--data PATH] [--n-prompts 2] [--new-tokens 1536] [--budgets 64 128 256 512] ...
-    kvcompose bench speed [--new-tokens 2048] [--budget 256] ...
+    kvcompose bench accuracy (--dataset gsm8k | --data FILE.jsonl) [--methods full rkv] [--budgets 128 256 512] ...
+    kvcompose bench speed [--methods tova rkv] [--budget 512] [--new-tokens 4096]   # vs ideal, full, kvpress
+    kvcompose bench steptime [--seen 1024 4096 16384]  # step time vs tokens seen; per-layer overhead
+    kvcompose bench throughput --kv-memory MIB         # largest batch in a KV budget, tokens/s
     kvcompose bench report DIR          # re-render Markdown + plots from the JSON in DIR
     kvcompose methods                   # list the presets
 
@@ -58,12 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(g)
 
     # bench ----------------------------------------------------------------------------------
-    b = sub.add_parser("bench", help="fidelity and speed benchmarks").add_subparsers(dest="bench", required=True)
+    b = sub.add_parser("bench", help="fidelity, accuracy and speed benchmarks").add_subparsers(dest="bench", required=True)
     f = b.add_parser("fidelity", help="teacher-forced fidelity to the full cache for every method and budget",
                      description="Full-cache reference traces teacher-forced through each method's cache: top-1 "
                      "agreement, KL, perplexity ratio, peak KV, KL along the trace, prompt recall; free generation; "
                      "optional kvpress side by side. Defaults finish in about 20 min on an idle 2-core CPU.")
-    f.add_argument("--data", default=None, help="GSM8K-style JSONL (default: /work/shared/data/gsm8k/test.jsonl or $KVCOMPOSE_GSM8K)")
+    f.add_argument("--data", default=None, help="GSM8K-style JSONL file (default: the file named by $KVCOMPOSE_GSM8K)")
     f.add_argument("--n-prompts", type=int, default=2, help="questions (default 2)")
     f.add_argument("--offset", type=int, default=0, help="first question line (default 0)")
     f.add_argument("--min-prompt-tokens", type=int, default=0,
@@ -105,17 +108,45 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", default="runs/fidelity", help="output folder (default runs/fidelity)")
     _add_model_flags(f)
 
-    s = b.add_parser("speed", help="decode tokens/s, peak KV and compression time vs the full cache",
-                     description="Greedy-decode --new-tokens tokens with the full cache and each method; report tokens/s, "
-                     "peak KV bytes and the share of decode time spent in compression events, as ratios to the full cache.")
-    s.add_argument("--methods", nargs="+", default=[m for m in methods if m != "full"], choices=methods)
-    s.add_argument("--budget", type=int, default=256, help="budget (default 256)")
-    s.add_argument("--interval", type=int, default=64, help="compression interval (default 64)")
-    s.add_argument("--new-tokens", type=int, default=2048, help="decoded tokens per run (default 2048)")
-    s.add_argument("--question", default=None, help="prompt question (default: a built-in demo question)")
-    s.add_argument("--no-dynamic", action="store_true", help="skip the transformers DynamicCache + sdpa row")
-    s.add_argument("--out", default="runs/speed", help="output folder (default runs/speed)")
-    _add_model_flags(s)
+    from .bench import speed, steptime, throughput  # speed instruments: their flags live with them
+
+    speed.add_parser(b, _add_model_flags, methods)
+    steptime.add_parser(b, _add_model_flags, methods)
+    throughput.add_parser(b, _add_model_flags, methods)
+
+    a = b.add_parser("accuracy", help="accuracy vs KV budget on GSM8K / MATH-500 / AIME (graded with math-verify)",
+                     description="Generate solutions with the full cache and each method at each budget (batched, "
+                     "left padding), grade them (math-verify, GSM8K '#### n', last number), and write resumable "
+                     "JSONL records, a Markdown table and plots (accuracy vs budget, accuracy vs peak KV). Runs "
+                     "under `accelerate launch --multi_gpu --num_processes N` or torchrun too (batches sharded by rank, one "
+                     "merged table; gloo on CPU).")
+    src = a.add_mutually_exclusive_group()
+    src.add_argument("--data", default=None,
+                     help="local JSONL with 'question' (or 'problem') and 'answer' per line (default: $KVCOMPOSE_GSM8K)")
+    src.add_argument("--dataset", default=None, choices=["gsm8k", "math500", "aime24", "aime25"],
+                     help="download with Hugging Face datasets: openai/gsm8k, HuggingFaceH4/MATH-500, "
+                     "HuggingFaceH4/aime_2024, yentinglin/aime_2025 (needs the hub or a cached copy)")
+    a.add_argument("--limit", type=int, default=None, help="first N questions (default: all)")
+    a.add_argument("--offset", type=int, default=0, help="skip the first questions (default 0)")
+    a.add_argument("--methods", nargs="+", default=["full", "rkv"], choices=methods, help="presets (default: full rkv)")
+    a.add_argument("--budgets", nargs="+", type=int, default=[128, 256, 512], help="budgets (default 128 256 512)")
+    a.add_argument("--interval", type=int, default=None,
+                   help="compression interval (default: each preset's own)")
+    a.add_argument("--samples", type=int, default=1, help="samples per question (needs --temperature > 0; default 1)")
+    a.add_argument("--max-new-tokens", type=int, default=1024, help="maximum new tokens (default 1024)")
+    a.add_argument("--batch-size", type=int, default=8, help="questions per generate call, left-padded (default 8)")
+    a.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); e.g. 0.6 for R1-style sampling")
+    a.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass when sampling (default 0.95)")
+    a.add_argument("--seed", type=int, default=0, help="seed of the per-question sampling seeds (default 0)")
+    a.add_argument("--prompt", default=None,
+                   help="user message template with {question} (default: ask for the final answer in \\boxed{})")
+    a.add_argument("--device-map", default=None,
+                   help="load --model with this device_map (e.g. auto: layers over all GPUs; one process only)")
+    a.add_argument("--no-text", action="store_true", help="do not keep the generated texts in the records")
+    a.add_argument("--no-progress", action="store_true", help="no progress bars")
+    a.add_argument("--out", default="runs/accuracy", help="output folder; rerunning skips finished records "
+                   "(default runs/accuracy)")
+    _add_model_flags(a)
 
     r = b.add_parser("report", help="re-render Markdown and plots from the JSON in a results folder")
     r.add_argument("dir")
@@ -129,7 +160,7 @@ def _question(args) -> dict[str, Any]:
     if args.question:
         return {"id": "cli", "question": args.question, "answer": None}
     if args.data:
-        from .bench.fidelity import load_questions
+        from .bench.data import load_questions
 
         qs = load_questions(args.data, 1, offset=args.index)
         if not qs:
@@ -188,7 +219,7 @@ def generate(args) -> int:
     """`kvcompose generate`: one question, one method (and the full cache with --compare)."""
     import torch
 
-    from .bench.fidelity import extract_answer, gsm8k_answer
+    from .bench.metrics import extract_answer, gsm8k_answer
     from .bench.run import load_model, make_pipeline
     from .cache import KVComposeCache
     from .methods import full
@@ -238,6 +269,17 @@ def _bench(args, argv: list[str]) -> int:
         for p in run.render(args.dir):
             print(p)
         return 0
+    if args.bench == "accuracy":
+        from .bench.accuracy import DEFAULT_PROMPT, AccuracyConfig, run_accuracy
+
+        run_accuracy(AccuracyConfig(
+            model=args.model, dtype=args.dtype, device=args.device, device_map=args.device_map, data=args.data,
+            dataset=args.dataset, limit=args.limit, offset=args.offset, methods=args.methods, budgets=args.budgets,
+            interval=args.interval, samples=args.samples, max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+            prompt=args.prompt or DEFAULT_PROMPT, save_text=not args.no_text, threads=args.threads,
+            progress=not args.no_progress, out=args.out, command=command))
+        return 0
     if args.bench == "fidelity":
         cfg = run.FidelityConfig(
             data=args.data, model=args.model, dtype=args.dtype, device=args.device, n_prompts=args.n_prompts,
@@ -256,12 +298,11 @@ def _bench(args, argv: list[str]) -> int:
         )
         run.run_fidelity(cfg)
         return 0
-    cfg = run.SpeedConfig(model=args.model, dtype=args.dtype, device=args.device, methods=args.methods,
-                          budget=args.budget, interval=args.interval, new_tokens=args.new_tokens,
-                          question=args.question, dynamic=not args.no_dynamic, threads=args.threads,
-                          out=args.out, command=command)
-    run.run_speed(cfg)
-    return 0
+    if args.bench in ("speed", "steptime", "throughput"):
+        from .bench import speed, steptime, throughput
+
+        return {"speed": speed, "steptime": steptime, "throughput": throughput}[args.bench].main(args, command)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,22 +140,24 @@ def test_bench_fidelity_kvpress_missing(tiny_dir, questions, tmp_path):
 
 
 def test_bench_fidelity_needs_data(tiny_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(bench_run, "GSM8K_DEFAULT", str(tmp_path / "missing.jsonl"))
-    monkeypatch.delenv("KVCOMPOSE_GSM8K", raising=False)
+    monkeypatch.setenv("KVCOMPOSE_GSM8K", str(tmp_path / "missing.jsonl"))  # set but absent: no default file
+    assert bench_run.default_data_path() is None
     assert cli.main(["bench", "fidelity", "--model", tiny_dir, "--out", str(tmp_path / "x")]) == 2
-    assert "--data" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--data" in err and "KVCOMPOSE_GSM8K" in err
 
 
 def test_bench_speed_and_report(tiny_dir, tmp_path):
     out = tmp_path / "speed"
     assert cli.main(["bench", "speed", "--model", tiny_dir, "--methods", "h2o", "vase", "--budget", "16",
-                     "--interval", "8", "--new-tokens", "48", "--out", str(out)]) == 0
+                     "--interval", "8", "--new-tokens", "48", "--window", "8", "--kvpress-python", "none",
+                     "--out", str(out)]) == 0
     data = json.loads((out / "speed.json").read_text())
     names = [r["name"] for r in data["rows"]]
-    assert names[0] == "full" and "h2o" in names and names[-1].startswith("DynamicCache")
+    assert names[0].startswith("ideal") and names[1].startswith("full (DynamicCache") and "h2o" in names
     h2o = data["rows"][names.index("h2o")]
     assert h2o["compress_calls"] > 0 and 0 < h2o["compress_share"] < 1
-    assert h2o["kv_ratio"] < 1.0 and data["rows"][0]["speed_ratio"] == 1.0
+    assert h2o["kv_vs_full"] < 1.0 and data["rows"][1]["vs_full"] == 1.0
     assert "| h2o |" in (out / "speed.md").read_text()
     (out / "speed.md").unlink()
     assert cli.main(["bench", "report", str(out)]) == 0

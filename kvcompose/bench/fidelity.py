@@ -1,4 +1,8 @@
-"""Fidelity to the full cache: reference traces, teacher forcing through a compressing cache, metrics.
+"""Fidelity to the full cache: teacher forcing of reference traces through a compressing cache, and free generation.
+
+The pieces live in three modules: `kvcompose.bench.data` (questions), `kvcompose.bench.traces` (reference
+traces), `kvcompose.bench.metrics` (KL, top-1, perplexity ratio, answer extraction); this module is the runner.
+Their public names stay importable from here and from `kvcompose.bench`.
 
 The protocol (what `kvcompose bench fidelity` runs):
 
@@ -32,286 +36,33 @@ final-number agreement and exact match against GSM8K's `#### <number>`.
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import random
-import re
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..view import KVComposeError
+from .data import load_questions
+from .metrics import extract_answer, gsm8k_answer, kl_divergence, perplexity_ratio, top1_agreement
+from .traces import RECALL_INSTRUCTION, RepetitionGuard, Trace, make_traces, prompt_ids, recall_ids
 
 __all__ = [
     "Trace", "TraceScore", "FidelityResult", "FreeGenResult", "FreeGenRow", "RepetitionGuard",
     "load_questions", "make_traces", "evaluate", "free_generation", "extract_answer", "gsm8k_answer",
-    "kl_divergence", "top1_agreement", "perplexity_ratio", "recall_ids", "teacher_force_logits", "evaluate_trace", "clear_reference_cache",
-    "RECALL_INSTRUCTION",
+    "kl_divergence", "top1_agreement", "perplexity_ratio", "recall_ids", "teacher_force_logits", "evaluate_trace",
+    "clear_reference_cache", "RECALL_INSTRUCTION",
 ]
 
-RECALL_INSTRUCTION = "Restate the original question word for word."
-TraceKind = Literal["sampled", "greedy", "worked"]
-
-
-# ---------------------------------------------------------------------------------------------- data
-@dataclass
-class Trace:
-    """One teacher-forcing item.
-
-    Attributes:
-        id: stable identifier (e.g. `"gsm8k-3/sampled"`).
-        prompt_ids: the chat prompt's token ids (system/user turn and assistant prefix).
-        trace_ids: the continuation to teacher-force (the full-cache reference or worked text).
-        question: the user question.
-        answer: the reference answer text (GSM8K worked solution ending in `#### n`) or None.
-        kind: "sampled", "greedy" or "worked".
-        recall_ids: token ids appended after the trace for the prompt-recall probe (end of the assistant
-            turn, a user turn with `RECALL_INSTRUCTION`, the assistant prefix); empty = no probe.
-        recall_target_ids: the question's token ids, scored after `recall_ids`.
-    """
-
-    id: str
-    prompt_ids: list[int]
-    trace_ids: list[int]
-    question: str
-    answer: str | None
-    kind: str
-    recall_ids: list[int] = field(default_factory=list)
-    recall_target_ids: list[int] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Trace":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
-
-
-def load_questions(path: str | os.PathLike, n: int, offset: int = 0) -> list[dict[str, Any]]:
-    """Read `n` records (from `offset`) of a JSONL file with a `question` field (and optional `answer`).
-
-    GSM8K's test split has this format (`{"question": ..., "answer": "... #### 18"}`).
-    """
-    p = Path(path)
-    if not p.exists():
-        raise KVComposeError(
-            f"question file {str(p)!r} not found: pass a JSONL file with a 'question' field per line "
-            "(e.g. GSM8K's test.jsonl) with --data"
-        )
-    if n < 0 or offset < 0:
-        raise KVComposeError(f"n and offset must be >= 0, got n={n}, offset={offset}")
-    out: list[dict[str, Any]] = []
-    with p.open(encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if i < offset or not line.strip():
-                continue
-            if len(out) >= n:
-                break
-            rec = json.loads(line)
-            if "question" not in rec:
-                raise KVComposeError(f"{p}:{i + 1}: record has no 'question' field")
-            out.append({"id": rec.get("id", f"{p.stem}-{i}"), "question": rec["question"], "answer": rec.get("answer")})
-    return out
-
-
-def gsm8k_answer(answer: str | None) -> str | None:
-    """The number after GSM8K's `####` (commas removed), or None."""
-    if not answer or "####" not in answer:
-        return None
-    return _norm_number(answer.split("####")[-1].strip())
-
-
-_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def _norm_number(s: str) -> str | None:
-    m = _NUM.findall(s)
-    if not m:
-        return None
-    x = m[-1].replace(",", "")
-    if "." in x:
-        x = x.rstrip("0").rstrip(".")
-    return x
-
-
-def extract_answer(text: str) -> str | None:
-    """The last number in a generated answer (commas removed, trailing zeros of decimals dropped)."""
-    return _norm_number(text)
-
-
-def _clean_worked(answer: str) -> str:
-    """A GSM8K worked solution as plain text: calculator annotations removed, `#### n` -> `The answer is n.`"""
-    text = re.sub(r"<<[^>]*>>", "", answer)
-    if "####" in text:
-        body, final = text.rsplit("####", 1)
-        text = body.rstrip() + f"\nThe answer is {final.strip()}."
-    return text.strip()
-
-
-# -------------------------------------------------------------------------------------- metrics
-def kl_divergence(logp_ref: Tensor, logp: Tensor) -> Tensor:
-    """KL(ref || other) in nats per row, from log-probabilities `[..., V]` (float32 accumulation)."""
-    lr, lo = logp_ref.float(), logp.float()
-    return (lr.exp() * (lr - lo)).sum(-1).clamp_min(0.0)
-
-
-def top1_agreement(logp_ref: Tensor, logp: Tensor) -> Tensor:
-    """1.0 where both distributions put their maximum on the same token, per row."""
-    return (logp_ref.argmax(-1) == logp.argmax(-1)).float()
-
-
-def perplexity_ratio(nll: Iterable[float], nll_ref: Iterable[float]) -> float:
-    """`exp(mean NLL - mean NLL_ref)` over the same tokens: the method's perplexity / the reference's."""
-    a, b = list(nll), list(nll_ref)
-    if len(a) != len(b) or not a:
-        raise KVComposeError(f"perplexity_ratio needs two equally long non-empty lists, got {len(a)} and {len(b)}")
-    return math.exp(sum(a) / len(a) - sum(b) / len(b))
-
-
-# ------------------------------------------------------------------------------------ reference traces
-@dataclass(frozen=True)
-class RepetitionGuard:
-    """Keeps a small model's sampled reference from looping (a looping trace makes every method look good).
-
-    Default: `no_repeat_ngram_size=0` and `repetition_penalty=1.1`, the mild penalty of CTRL (Keskar et al.,
-    2019) that many chat front ends use; `no_repeat_ngram_size` (ban any repeated n-gram) is available but
-    harsher on math text, where phrases legitimately repeat. Both are passed to `model.generate`.
-    """
-
-    repetition_penalty: float = 1.1
-    no_repeat_ngram_size: int = 0
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        kw: dict[str, Any] = {}
-        if self.repetition_penalty != 1.0:
-            kw["repetition_penalty"] = self.repetition_penalty
-        if self.no_repeat_ngram_size > 0:
-            kw["no_repeat_ngram_size"] = self.no_repeat_ngram_size
-        return kw
+_prompt_ids = prompt_ids  # the old private name, still used by benchmark scripts
 
 
 def _device(model) -> torch.device:
     return next(model.parameters()).device
-
-
-def _prompt_ids(tok, question: str, system: str | None = None) -> list[int]:
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    return list(tok(text, add_special_tokens=False)["input_ids"])
-
-
-def recall_ids(tok, question: str) -> tuple[list[int], list[int]]:
-    """Token ids of the prompt-recall probe: (end of turn + user turn with the instruction + assistant
-    prefix, the question's tokens). Built with the tokenizer's chat template."""
-    msgs = [{"role": "user", "content": "X"}, {"role": "assistant", "content": "Y"},
-            {"role": "user", "content": RECALL_INSTRUCTION}]
-    full = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    start = full.index("Y") + 1
-    suffix = full[start:]
-    ids = list(tok(suffix, add_special_tokens=False)["input_ids"])
-    target = list(tok(question, add_special_tokens=False)["input_ids"])
-    return ids, target
-
-
-def _special_ids(tok, model) -> list[int]:
-    ids = set(getattr(tok, "all_special_ids", []) or [])
-    eos = model.generation_config.eos_token_id
-    ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return sorted(i for i in ids if i is not None and i >= 0)
-
-
-@torch.no_grad()
-def make_traces(
-    model,
-    tok,
-    questions: list[dict[str, Any]],
-    new_tokens: int = 1536,
-    kind: str = "sampled",
-    seed: int = 0,
-    temperature: float = 0.7,
-    top_p: float = 0.95,
-    repetition_guard: RepetitionGuard = RepetitionGuard(),
-    pool: list[dict[str, Any]] | None = None,
-    batch_size: int = 8,
-    system: str | None = None,
-    progress: bool = False,
-) -> list[Trace]:
-    """Full-cache reference traces of `new_tokens` tokens for each question (see the module docstring).
-
-    Args:
-        questions: records with 'question' (and optional 'answer', 'id'), e.g. from `load_questions`.
-        kind: "sampled" (seeded, `temperature`, `top_p`), "greedy", or "worked" (GSM8K worked solutions
-            chained: the question's own, then others from `pool`, default `questions`; needs 'answer').
-        repetition_guard: passed to `generate` for "sampled" and "greedy".
-        batch_size: questions generated together (left padding); the seed is set once per batch.
-    """
-    if kind not in ("sampled", "greedy", "worked"):
-        raise KVComposeError(f"kind must be 'sampled', 'greedy' or 'worked', got {kind!r}")
-    if new_tokens <= 0:
-        raise KVComposeError(f"new_tokens must be positive, got {new_tokens}")
-    if not questions:
-        return []
-    base = []
-    for i, q in enumerate(questions):
-        rid, target = recall_ids(tok, q["question"])
-        base.append(dict(id=f"{q.get('id', i)}/{kind}", prompt_ids=_prompt_ids(tok, q["question"], system),
-                         question=q["question"], answer=q.get("answer"), kind=kind,
-                         recall_ids=rid, recall_target_ids=target))
-    if kind == "worked":
-        return [Trace(trace_ids=_worked_ids(tok, q, pool if pool is not None else questions, new_tokens, seed + i), **b)
-                for i, (q, b) in enumerate(zip(questions, base))]
-
-    from tqdm.auto import tqdm
-
-    device = _device(model)
-    suppress = _special_ids(tok, model)
-    pad_id = model.generation_config.pad_token_id
-    if pad_id is None:
-        pad_id = suppress[0] if suppress else 0
-    traces: list[Trace] = []
-    batches = [list(range(s, min(s + batch_size, len(base)))) for s in range(0, len(base), batch_size)]
-    for bi, idx in enumerate(tqdm(batches, desc=f"{kind} traces", disable=not progress, unit="batch")):
-        prompts = [base[i]["prompt_ids"] for i in idx]
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        torch.manual_seed(seed * 1_000_003 + bi)
-        gen_kw: dict[str, Any] = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, suppress_tokens=suppress,
-                                      pad_token_id=pad_id, **repetition_guard.generate_kwargs())
-        if kind == "sampled":
-            gen_kw.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-        else:
-            gen_kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        out = model.generate(input_ids=ids, attention_mask=mask, **gen_kw)
-        for row, i in enumerate(idx):
-            traces.append(Trace(trace_ids=out[row, width:].tolist(), **base[i]))
-    return traces
-
-
-def _worked_ids(tok, q: dict[str, Any], pool: list[dict[str, Any]], new_tokens: int, seed: int) -> list[int]:
-    if not q.get("answer"):
-        raise KVComposeError("kind='worked' needs an 'answer' (a worked solution) for every question")
-    others = [p for p in pool if p.get("answer") and p["question"] != q["question"]]
-    if not others:
-        raise KVComposeError("kind='worked' needs other questions with worked solutions in `pool`")
-    rng = random.Random(seed)
-    order = others[:]
-    rng.shuffle(order)
-    text = _clean_worked(q["answer"])
-    ids = list(tok(text, add_special_tokens=False)["input_ids"])
-    k = 0
-    while len(ids) < new_tokens:
-        p = order[k % len(order)]
-        k += 1
-        more = f"\n\nNext problem: {p['question'].strip()}\n{_clean_worked(p['answer'])}"
-        ids += list(tok(more, add_special_tokens=False)["input_ids"])
-    return ids[:new_tokens]
 
 
 # ------------------------------------------------------------------------------------ full-cache reference
@@ -647,7 +398,7 @@ def _greedy_answers(model, tok, questions: list[dict[str, Any]], cache_factory, 
     eos_set = set(eos if isinstance(eos, list) else [eos])
     texts, lens = [], []
     for s in range(0, len(questions), batch_size):
-        prompts = [_prompt_ids(tok, q["question"]) for q in questions[s : s + batch_size]]
+        prompts = [prompt_ids(tok, q["question"]) for q in questions[s : s + batch_size]]
         width = max(len(p) for p in prompts)
         pid = pad_id if pad_id is not None else 0
         ids = torch.tensor([[pid] * (width - len(p)) + p for p in prompts], device=device)

@@ -1,4 +1,5 @@
-"""Orchestration behind `kvcompose bench fidelity` and `kvcompose bench speed`: load the model, build
+"""Orchestration behind `kvcompose bench fidelity` and `kvcompose bench speed` (`kvcompose bench accuracy`
+is in `kvcompose.bench.accuracy`): load the model, build
 traces, loop over methods and budgets with progress bars, write JSON + Markdown + PNG to an output folder.
 
 The fidelity JSON is rewritten after every trace, so an interrupted run keeps what it measured.
@@ -23,23 +24,14 @@ from ..cache import KVComposeCache
 from ..pipeline import Pipeline
 from ..view import KVComposeError
 from . import report
-from .fidelity import (
-    FidelityResult, Trace, evaluate_trace, free_generation, load_questions, make_traces, RepetitionGuard,
-)
+from .data import default_data_path, load_questions, resolve_questions
+from .fidelity import FidelityResult, evaluate_trace, free_generation
+from .traces import RepetitionGuard, Trace, make_traces, prompt_ids
 
 __all__ = ["FidelityConfig", "SpeedConfig", "run_fidelity", "run_speed", "make_pipeline", "load_model",
            "default_data_path", "versions", "render"]
 
-GSM8K_DEFAULT = "/work/shared/data/gsm8k/test.jsonl"
 COMPRESSING = [m for m in _methods.PRESETS if m != "full"]
-
-
-def default_data_path() -> str | None:
-    """GSM8K's test.jsonl: `$KVCOMPOSE_GSM8K` or the shared copy, if it exists."""
-    for p in (os.environ.get("KVCOMPOSE_GSM8K"), GSM8K_DEFAULT):
-        if p and Path(p).exists():
-            return p
-    return None
 
 
 def versions() -> dict[str, str | None]:
@@ -142,11 +134,13 @@ def render(out: str | os.PathLike) -> list[Path]:
             path = out / f"kl_along_trace_{report.slug(kind)}.png"
             report.plot_kl_curves(data, path, kind=kind)
             written.append(path)
-    if (out / "speed.json").exists():
-        data = json.loads((out / "speed.json").read_text())
-        (out / "speed.md").write_text(report.speed_markdown(data))
-        report.plot_speed(data, out / "speed.png")
-        written += [out / "speed.md", out / "speed.png"]
+    if (out / "accuracy.json").exists():
+        from . import accuracy_report
+
+        written += accuracy_report.render(out)
+    from .speed import render as _render_speed  # speed.json, steptime.json, throughput.json
+
+    written += _render_speed(out)
     return written
 
 
@@ -185,8 +179,6 @@ def _rows(results: dict[tuple[str, int | None, str], list], pipelines: dict, buc
 
 def _select_questions(tok, path: str, n: int, offset: int, min_prompt_tokens: int) -> list[dict[str, Any]]:
     """The first `n` questions from `offset` whose chat prompt has at least `min_prompt_tokens` tokens."""
-    from .fidelity import _prompt_ids
-
     if min_prompt_tokens <= 0:
         return load_questions(path, n, offset)
     out: list[dict[str, Any]] = []
@@ -195,7 +187,7 @@ def _select_questions(tok, path: str, n: int, offset: int, min_prompt_tokens: in
         batch = load_questions(path, 256, start)
         if not batch:
             break
-        out += [q for q in batch if len(_prompt_ids(tok, q["question"])) >= min_prompt_tokens]
+        out += [q for q in batch if len(prompt_ids(tok, q["question"])) >= min_prompt_tokens]
         start += 256
     return out[:n]
 
@@ -279,10 +271,7 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     data_path = cfg.data or default_data_path()
     if data_path is None:
-        raise KVComposeError(
-            f"no question file: pass --data PATH (a JSONL file with 'question'/'answer' fields such as GSM8K's "
-            f"test.jsonl); the default {GSM8K_DEFAULT} does not exist here"
-        )
+        resolve_questions(None, None)  # raises the error that names --data, --dataset and $KVCOMPOSE_GSM8K
     for m in cfg.methods:
         if m not in _methods.PRESETS:
             raise KVComposeError(f"unknown method {m!r}; presets: {', '.join(_methods.PRESETS)}")
@@ -401,68 +390,4 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ speed
-@dataclass
-class SpeedConfig:
-    model: str | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    methods: list[str] = field(default_factory=lambda: list(COMPRESSING))
-    budget: int = 256
-    interval: int = 64
-    new_tokens: int = 2048
-    question: str | None = None
-    dynamic: bool = True
-    threads: int | None = None
-    out: str = "runs/speed"
-    command: str = ""
-
-
-def run_speed(cfg: SpeedConfig, log=print) -> dict[str, Any]:
-    """Decode `new_tokens` greedy tokens with the full cache and each method; ratios to the full cache."""
-    from tqdm.auto import tqdm
-
-    from ..attention import ATTN_IMPLEMENTATION
-    from ..models import chat_inputs
-    from .data import demo_question
-    from .speed import TimedCache, measure_decode
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
-    q = cfg.question or demo_question(0)["question"]
-    ids = chat_inputs(tok, q, device=cfg.device)["input_ids"]
-    runs: list[tuple[str, Any]] = [("full", lambda: TimedCache(model, _methods.full()))]
-    runs += [(m, (lambda m=m: TimedCache(model, make_pipeline(m, cfg.budget), budget=cfg.budget,
-                                          interval=cfg.interval))) for m in cfg.methods if m != "full"]
-    rows = []
-    for name, make in tqdm(runs, desc="speed", unit="method", dynamic_ncols=True):
-        r = measure_decode(model, ids, make(), cfg.new_tokens, name=name, progress=True)
-        rows.append(r.to_dict())
-    if cfg.dynamic:
-        from transformers import DynamicCache
-
-        prev = model.config._attn_implementation
-        model.set_attn_implementation("sdpa")
-        try:
-            r = measure_decode(model, ids, DynamicCache(config=model.config), cfg.new_tokens,
-                               name="DynamicCache (transformers sdpa)", progress=True)
-        finally:
-            model.set_attn_implementation(prev if prev == ATTN_IMPLEMENTATION else "sdpa")
-        rows.append(r.to_dict())
-    full = rows[0]
-    for r in rows:
-        r["speed_ratio"] = r["tokens_per_s"] / full["tokens_per_s"]
-        r["kv_ratio"] = r["peak_kv_bytes"] / full["peak_kv_bytes"] if full["peak_kv_bytes"] else math.nan
-    data = {
-        "config": {**cfg.__dict__, "model": cfg.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
-                   "prompt_tokens": int(ids.shape[1]), "threads": torch.get_num_threads()},
-        "versions": versions(), "rows": rows,
-        "notes": ["Ratios are to the full cache (kvcompose attention, no compression) measured in the same run, "
-                  "one after the other; 'full' peak KV is the cache at the end of the generation."],
-    }
-    (out / "speed.json").write_text(json.dumps(data, indent=1, default=str))
-    render(out)
-    log(f"wrote {out}/speed.json, speed.md, speed.png")
-    return data
+from .speed import SpeedConfig, run_speed  # noqa: E402,F401  (moved to kvcompose.bench.speed; kept importable here)
