@@ -1,0 +1,97 @@
+"""Fingerprint every preset's teacher-forced logits and kept positions on SmolLM2-135M, to check that a
+refactor of the core changes nothing a user sees.
+
+Run it on two checkouts (e.g. `git worktree add ../old <commit>`) and compare the JSON files:
+
+    python benchmarks/core_identity.py --data GSM8K.jsonl --out new.json
+    (cd ../old && PYTHONPATH=. python ../kvcompose/benchmarks/core_identity.py --data GSM8K.jsonl --out old.json)
+    python benchmarks/core_identity.py --compare old.json new.json
+
+The trace is the full cache's greedy continuation of one GSM8K question (test line `--index`); each preset
+then decodes it one token at a time (teacher forcing) at each budget, with `--interval` (explicit, so a
+change of a preset's default interval does not show up as a difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+
+import torch
+
+
+def fingerprint(args) -> dict:
+    from kvcompose import KVComposeCache
+    from kvcompose.bench.run import make_pipeline
+    from kvcompose.models import chat_inputs, load_default_model
+
+    torch.set_num_threads(args.threads)
+    model, tok = load_default_model()
+    model.eval()
+    lines = open(args.data, encoding="utf-8").read().splitlines()
+    question = json.loads(lines[args.index])["question"]
+    inputs = chat_inputs(tok, [question])
+    with torch.no_grad():
+        seq = model.generate(**inputs, max_new_tokens=args.new_tokens, do_sample=False)[0]
+    p = inputs["input_ids"].shape[1]
+    out = {"prompt_tokens": p, "tokens": int(seq.shape[0]), "interval": args.interval}
+    for name in args.methods:
+        for budget in args.budgets:
+            cache = KVComposeCache(model, make_pipeline(name, budget), budget=budget, interval=args.interval)
+            logits = []
+            with torch.no_grad():
+                o = model(input_ids=seq[None, :p], past_key_values=cache, use_cache=True)
+                logits.append(o.logits[:, -1].float())
+                for t in range(p, seq.shape[0] - 1):
+                    o = model(input_ids=seq[None, t : t + 1], past_key_values=cache, use_cache=True)
+                    logits.append(o.logits[:, -1].float())
+            x = torch.cat(logits)
+            kept = [cache.kept_positions(i).tolist() for i in range(0, cache.num_layers, 7)]
+            out[f"{name}@{budget}"] = {
+                "logits_sha1": hashlib.sha1(x.numpy().tobytes()).hexdigest(),
+                "kept_sha1": hashlib.sha1(json.dumps(kept).encode()).hexdigest(),
+                "held_bytes": cache.memory().total,
+            }
+            print(name, budget, out[f"{name}@{budget}"], flush=True)
+    return out
+
+
+def compare(a: dict, b: dict) -> int:
+    diff = 0
+    for key in sorted(set(a) & set(b)):
+        if not isinstance(a[key], dict):
+            continue
+        same = a[key]["logits_sha1"] == b[key]["logits_sha1"] and a[key]["kept_sha1"] == b[key]["kept_sha1"]
+        diff += not same
+        print(f"{key:28s} {'identical' if same else 'DIFFERENT'}")
+    print(f"{diff} of {sum(isinstance(v, dict) for k, v in a.items() if k in b)} runs differ")
+    return 1 if diff else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", help="GSM8K-style JSONL with a 'question' field")
+    ap.add_argument("--index", type=int, default=4, help="question line (default 4: a 140-token chat prompt)")
+    ap.add_argument("--new-tokens", type=int, default=320)
+    ap.add_argument("--methods", nargs="+", default=["streaming_llm", "h2o", "snapkv", "tova", "knorm", "rkv",
+                                                     "random_attention", "vase", "memory_hierarchy", "pyramid_rkv",
+                                                     "reason_alloc", "growpage"])
+    ap.add_argument("--budgets", nargs="+", type=int, default=[64, 160])
+    ap.add_argument("--interval", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="core_identity.json")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two fingerprint files and exit")
+    args = ap.parse_args()
+    if args.compare:
+        a, b = (json.load(open(f)) for f in args.compare)
+        return compare(a, b)
+    if not args.data:
+        ap.error("--data is required (a GSM8K-style JSONL)")
+    json.dump(fingerprint(args), open(args.out, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
