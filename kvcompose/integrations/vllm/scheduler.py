@@ -46,6 +46,13 @@ CONFIG_KEY = "kvcompose"
 """Key of the policy's settings in vLLM's `additional_config`."""
 
 
+def _user_id(request_id: str) -> str:
+    """The id the user gave: vLLM's `InputProcessor.assign_request_id` appends "-" and 8 random characters,
+    which would make the random policy's draws differ between two runs of the same requests."""
+    head, _, tail = request_id.rpartition("-")
+    return head if head and len(tail) == 8 and tail.isalnum() else request_id
+
+
 class KVComposeScheduler(Scheduler):
     """vLLM's `Scheduler` plus a block-granular kvcompose policy (prototype; see the module docstring).
 
@@ -102,7 +109,7 @@ class KVComposeScheduler(Scheduler):
             if self.kvc_policy.policy == "random":
                 rng = self._kvc_rngs.get(rid)
                 if rng is None:
-                    rng = self._kvc_rngs[rid] = request_rng(self.kvc_policy.seed, rid)
+                    rng = self._kvc_rngs[rid] = request_rng(self.kvc_policy.seed, _user_id(rid))
             evict = self.kvc_policy.plan(resident, req.num_computed_tokens, req.num_prompt_tokens, rng)
             if not evict:
                 continue
