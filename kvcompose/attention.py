@@ -202,16 +202,6 @@ _slot = _Slot()
 _missed: "weakref.WeakKeyDictionary[object, str]" = weakref.WeakKeyDictionary()
 
 
-class _LegacyHandoff(threading.local):
-    """The protocol of the layer core before issue 13 (`handoff.layer = layer` in `update`); kept until the
-    core calls `hand_off`."""
-
-    layer = None
-
-
-handoff = _LegacyHandoff()
-
-
 def _owner(layer) -> object:
     return getattr(layer, "cache", layer)
 
@@ -250,7 +240,6 @@ def hand_off(layer, keys: Tensor, values: Tensor, owner=None) -> None:
             if stale is owner:
                 raise KVComposeError(msg)
     _slot.pending = _HandOff(layer, keys, values, weakref.ref(owner))
-    handoff.layer = None
 
 
 def check_consumed(cache) -> None:
@@ -513,12 +502,7 @@ def kvcompose_attention(module, query, key, value, attention_mask, **kwargs):
     p = _slot.pending
     if p is not None and p.keys is key and p.values is value:
         _slot.pending = None
-        handoff.layer = None
         return _kvcompose_call(p.layer, module, query, attention_mask, kwargs)
-    legacy = handoff.layer
-    if legacy is not None and getattr(legacy, "layer_idx", None) == getattr(module, "layer_idx", None):
-        handoff.layer = None
-        return _kvcompose_call(legacy, module, query, attention_mask, kwargs)
     return _delegate(module, query, key, value, attention_mask, kwargs)
 
 

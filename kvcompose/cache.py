@@ -21,15 +21,17 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from . import attention as _attn
+from . import compat
 from .layer import CacheStats, ComposeLayer, CoreConfig
 from .pipeline import Pipeline
 from .prefetch import Prefetcher
 from .view import KVComposeError
 
-__all__ = ["KVComposeCache", "MemoryReport", "CacheStats", "SUPPORTED_MODEL_TYPES", "check_model"]
+__all__ = ["KVComposeCache", "MemoryReport", "CacheStats", "check_model", "check_interval", "check_budget"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 DEFAULT_INTERVAL = 64
+LIMIT = 2**31  # budgets and intervals beyond this are refused (no memory is reserved ahead, but indices are int32)
+_no_trace = torch.compiler.disable  # cache bookkeeping is never traced: under torch.compile it runs eagerly
 
 
 @dataclass
@@ -81,32 +83,41 @@ class MemoryReport:
         return "\n".join(f"{a:<{w}}  {b}" for a, b in rows)
 
 
-def check_model(model, strict: bool = True):
-    """The text config of a supported decoder-only model, or a `KVComposeError` naming the problem."""
+def check_model(model, strict: bool = False):
+    """`(text config, compat.ModelAttention)` of a decoder-only model kvcompose can run, or a `KVComposeError`
+    naming what it cannot honour (see `kvcompose.compat.check_model`). With `strict`, also refuse model
+    types outside the tested ones (`compat.TESTED_MODEL_TYPES`)."""
+    compat.check_transformers()
     config = getattr(model, "config", None)
     if config is None:
         raise KVComposeError("model has no config: pass a Hugging Face PreTrainedModel")
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = getattr(config, "model_type", None)
-    if strict and model_type not in SUPPORTED_MODEL_TYPES:
-        raise KVComposeError(
-            f"unsupported model type {model_type!r}: kvcompose is tested on {', '.join(SUPPORTED_MODEL_TYPES)} "
-            "(pass strict=False to try anyway)"
-        )
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
-        raise KVComposeError(f"unsupported layer types {sorted(set(layer_types))}: only attention layers are supported")
-    return config
+    if strict and model_type not in compat.TESTED_MODEL_TYPES:
+        raise KVComposeError(f"model type {model_type!r} is not among the tested ones "
+                             f"({', '.join(compat.TESTED_MODEL_TYPES)}); strict=False accepts it")
+    return config, compat.check_model(model, features=ComposeLayer.attention_features)
 
 
 def check_interval(interval) -> int:
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
-        raise KVComposeError(f"interval must be a positive int, got {interval!r}")
+    if isinstance(interval, bool) or not isinstance(interval, int) or not 0 < interval < LIMIT:
+        raise KVComposeError(f"interval must be a positive int below 2**31, got {interval!r}")
     return interval
+
+
+def check_budget(budget, name: str = "budget") -> int | None:
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or not 0 < budget < LIMIT):
+        raise KVComposeError(f"{name} must be a positive int below 2**31, got {budget!r}")
+    return budget
 
 
 class KVComposeCache(Cache):
     """A compressing KV cache for `model.generate(past_key_values=cache)`.
+
+    kvcompose's attention runs only for calls that carry this cache; the model keeps its previous attention
+    implementation for every other call, and gets it back for good when the cache is gone
+    (`kvcompose.attention`). Assisted and prompt-lookup decoding are refused; `torch.compile` runs the cache's
+    bookkeeping eagerly (same tokens and events as eager decoding).
 
     Example:
         >>> cache = KVComposeCache(model, Pipeline(ProtectPrompt(), ProtectValueNorm(), RandomDrop()), budget=1024)
@@ -114,15 +125,16 @@ class KVComposeCache(Cache):
         >>> print(cache.memory())
 
     Args:
-        model: a Hugging Face decoder-only model (Llama, Qwen2, Qwen3, Mistral architectures are tested).
-            Its attention implementation is set to kvcompose's registered function (this model only).
+        model: a Hugging Face decoder-only model whose attention goes through transformers' attention interface
+            (`docs/models.md` lists the tested architectures; soft-capping, sliding windows and sinks are
+            honoured; a sliding-window layer keeps its own window and is not compressed beyond it).
         pipeline: the compression method (a `Pipeline` or a preset from `kvcompose.methods`); None = full cache.
         budget: tokens kept per layer (per row and KV head) after each compression event.
         interval: decoded tokens between compression events (default: the pipeline's own, e.g. R-KV 128,
             VaSE 64; else 64).
         compress_prefill: also compress the prompt right after prefill (off by default).
         seed: seed of the per-layer random generators (random selectors are reproducible).
-        strict: refuse model types that are not tested (set False to try others).
+        strict: also refuse model types that are not among the tested ones.
         prefetcher: brings tier tokens back before attention (default `Prefetcher()`).
         reserve: allocate each dense layer's `budget + interval` slots at once (fixed-capacity buffers, for
             CUDA graphs); by default buffers grow with the sequence.
@@ -137,22 +149,21 @@ class KVComposeCache(Cache):
         interval: int | None = None,
         compress_prefill: bool = False,
         seed: int = 0,
-        strict: bool = True,
+        strict: bool = False,
         prefetcher: Prefetcher | None = None,
         reserve: bool = False,
     ):
         pipeline = pipeline if pipeline is not None else Pipeline()
         if not isinstance(pipeline, Pipeline):
             raise KVComposeError(f"pipeline must be a kvcompose Pipeline, got {type(pipeline).__name__}")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-            raise KVComposeError(f"budget must be a positive int, got {budget!r}")
+        check_budget(budget)
         interval = check_interval(interval if interval is not None else (pipeline.interval or DEFAULT_INTERVAL))
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise KVComposeError(f"seed must be an int, got {seed!r}")
         if prefetcher is not None and not isinstance(prefetcher, Prefetcher):
             raise KVComposeError(f"prefetcher must be a kvcompose Prefetcher, got {type(prefetcher).__name__}")
         pipeline.validate(budget)
-        config = check_model(model, strict)
+        config, self.attention = check_model(model, strict)
         self.model_type = getattr(config, "model_type", None)
         self.pipeline = pipeline
         self.budget = budget
@@ -168,13 +179,40 @@ class KVComposeCache(Cache):
         self.core = CoreConfig(pipeline=pipeline, budget=budget, interval=interval, num_layers=self.num_layers,
                                compress_prefill=compress_prefill, seed=seed, prefetcher=self.prefetcher,
                                stats=self.stats, reserve=reserve)
-        _attn.register()
-        if getattr(model.config, "_attn_implementation", None) != _attn.ATTN_IMPLEMENTATION:
-            model.set_attn_implementation(_attn.ATTN_IMPLEMENTATION)
-        layers = [ComposeLayer(self.core, i) for i in range(self.num_layers)]
+        _attn.install(model, owner=self)
+        windows = {a.index: a.sliding_window for a in self.attention.layers if a.kind == "sliding"}
+        layers = [ComposeLayer(self.core, i, owner=self, sliding_window=windows.get(i)) for i in range(self.num_layers)]
         for layer in layers:
             layer.peers = layers
         super().__init__(layers=layers)
+
+    kvcompose_attention = True  # kvcompose.attention routes calls that carry this cache to its layers
+
+    # -- transformers Cache API, never traced by torch.compile -----------------------------------
+    @_no_trace
+    def update(self, *args, **kwargs):
+        return super().update(*args, **kwargs)
+
+    @_no_trace
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return super().get_seq_length(*args, **kwargs)
+
+    @_no_trace
+    def get_mask_sizes(self, *args, **kwargs):
+        return super().get_mask_sizes(*args, **kwargs)
+
+    @_no_trace
+    def get_query_offset(self, *args, **kwargs):
+        return super().get_query_offset(*args, **kwargs)
+
+    def activate_past_recording(self, *args, **kwargs):
+        """Called by transformers (5.23+) before assisted / prompt-lookup decoding: refused."""
+        raise KVComposeError(compat.ASSISTED_MESSAGE)
+
+    def close(self) -> None:
+        """Give the model its previous attention implementation back now (also done when the cache is
+        garbage-collected, if no other kvcompose cache uses the model)."""
+        _attn.release(self)
 
     # -- budgets ----------------------------------------------------------------------------------
     def layer_budget(self, layer_idx: int) -> int | None:

@@ -18,7 +18,7 @@ Shapes: B batch rows, H KV heads, Hq query heads, Q new tokens, T held tokens, D
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+import weakref
 from typing import Any
 
 import torch
@@ -31,108 +31,14 @@ from .allocators import layer_budget as _layer_budget
 from .kernels import paged_decode_attention, select_backend
 from .pipeline import Pipeline, Selection
 from .prefetch import Merged, Prefetcher
+from .segment import CacheStats, CoreConfig, QueryRing, Segment
 from .stores import DenseStore, PagedStore, StoreView
 from .tiers import TierTokens, take_tokens
 from .view import FAR_POSITION, AttentionStep, KVComposeError, LayerSpec, LayerView
 
 __all__ = ["ComposeLayer", "Segment", "QueryRing", "CoreConfig", "CacheStats", "check_incoming"]
 
-
-@dataclass
-class CacheStats:
-    """Counters of a cache's compression events: wall time spent in them and how many ran (all layers).
-
-    With `sync=True` the device is synchronised around each event (exact on CUDA, slower)."""
-
-    compress_seconds: float = 0.0
-    compress_calls: int = 0
-    sync: bool = False
-
-
-@dataclass
-class CoreConfig:
-    """What every layer of one cache shares (built by the cache).
-
-    Attributes:
-        pipeline: the compression method. budget: the cache's token budget (None: the allocator's own).
-        interval: decoded tokens between compression events. compress_prefill: compress right after prefill.
-        seed: seeds each layer's generator (`seed * 1_000_003 + layer_idx`). num_layers: decoder layers.
-        prefetcher: brings tier tokens back. stats: event counters. reserve: allocate fixed-capacity buffers.
-        observe: run the pipeline's observers at every attention call (off when nothing will be compressed).
-    """
-
-    pipeline: Pipeline
-    budget: int | None
-    interval: int
-    num_layers: int
-    compress_prefill: bool = False
-    seed: int = 0
-    prefetcher: Prefetcher = field(default_factory=Prefetcher)
-    stats: CacheStats = field(default_factory=CacheStats)
-    reserve: bool = False
-    observe: bool = True
-    step_padding: tuple | None = None  # (key of a forward's 2-D mask, whether its new tokens include padding)
-
-    @property
-    def paged(self) -> bool:
-        """Per-head budgets live in paged storage; uniform ones in dense buffers."""
-        return self.pipeline.paged
-
-
-class QueryRing:
-    """The last W post-RoPE queries of a segment: `queries [B, Hq, W, D]`, `positions [W]`, `valid [B, W]`."""
-
-    __slots__ = ("queries", "positions", "valid")
-
-    def __init__(self) -> None:
-        self.queries: Tensor | None = None
-        self.positions: Tensor | None = None
-        self.valid: Tensor | None = None
-
-    def record(self, query: Float[Tensor, "B Hq Q D"], positions: Int[Tensor, " Q"], valid: Bool[Tensor, "B Q"],
-               window: int) -> None:
-        if self.queries is None:
-            self.queries, self.positions, self.valid = query[:, :, -window:], positions[-window:], valid[:, -window:]
-        else:
-            self.queries = torch.cat([self.queries, query], dim=2)[:, :, -window:]
-            self.positions = torch.cat([self.positions, positions])[-window:]
-            self.valid = torch.cat([self.valid, valid], dim=1)[:, -window:]
-
-    def crop(self, end: int) -> None:
-        """Forget queries at positions `>= end`."""
-        if self.positions is not None:
-            keep = self.positions < end
-            self.queries, self.positions, self.valid = self.queries[:, :, keep], self.positions[keep], self.valid[:, keep]
-
-    def map_rows(self, fn) -> None:
-        if self.queries is not None:
-            self.queries, self.valid = fn(self.queries), fn(self.valid)
-
-
-class Segment:
-    """One store's worth of a layer: a whole plain cache, or one node of a search tree.
-
-    Attributes:
-        start: position of its first token; n: tokens written into it (held or not).
-        store: the `KVStore` (None until the first token); tier: the tier store's state; blocks: the
-        pipeline's state (one entry per leaf); ring: its query ring; events: compression events run on it;
-        limits: `[B, H]` per-head token limits (paged layouts).
-    """
-
-    __slots__ = ("start", "n", "store", "tier", "blocks", "ring", "events", "limits")
-
-    def __init__(self, start: int = 0) -> None:
-        self.start = start
-        self.n = 0
-        self.store: DenseStore | PagedStore | None = None
-        self.tier: Any = None
-        self.blocks: tuple | None = None
-        self.ring = QueryRing()
-        self.events = 0
-        self.limits: Tensor | None = None
-
-    def held(self) -> int:
-        return 0 if self.store is None else self.store.held
+_no_trace = torch.compiler.disable  # the cache's bookkeeping is never traced: under torch.compile it runs eagerly
 
 
 def check_incoming(layer: "ComposeLayer", key_states: Tensor, hint: str = "") -> None:
@@ -163,14 +69,17 @@ class ComposeLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_sliding = False
     is_croppable = True
+    attention_features = frozenset({"softcap", "sinks"})  # applied by kvcompose.attention.attend
 
-    def __init__(self, config: CoreConfig, layer_idx: int):
+    def __init__(self, config: CoreConfig, layer_idx: int, owner: Any = None, sliding_window: int | None = None):
         # CacheLayerMixin.__init__ would assign self.keys/self.values, which are properties here.
         self.config = config
         self.layer_idx = layer_idx
         self.peers: list[ComposeLayer] = []
+        self._owner = weakref.ref(owner) if owner is not None else (lambda: config)
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None  # keeps its own window; never compressed beyond it
         self.reset()
 
     # -- state ----------------------------------------------------------------------------------------
@@ -207,8 +116,9 @@ class ComposeLayer(CacheLayerMixin):
         return self.path()[-1]
 
     def scheduled(self) -> bool:
-        """Whether the write segment follows the compression schedule."""
-        return self.config.pipeline.compresses
+        """Whether the write segment follows the compression schedule (sliding-window layers only keep
+        their window)."""
+        return self.config.pipeline.compresses and self.sliding_window is None
 
     def layer_budget(self, seen: int | None = None) -> int | None:
         """The token budget of this layer (the allocator may vary it by layer and by tokens seen)."""
@@ -289,13 +199,17 @@ class ComposeLayer(CacheLayerMixin):
         return store.capacity if isinstance(store, DenseStore) else store.pool.capacity * store.page_size
 
     # -- writing --------------------------------------------------------------------------------------
+    @_no_trace
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Append new tokens (keys after RoPE) to the write segment and hand this layer to the attention
-        function. Returns the new keys and values (kvcompose's attention reads the layer, not them)."""
+        function. Returns the new keys and values (kvcompose's attention recognises them and reads the layer).
+        Raises `KVComposeError` when the previous update of this cache was never seen by kvcompose's
+        attention (the model's attention implementation was changed, or the cache went to another model)."""
+        if self.is_initialized:
+            check_incoming(self, key_states)
+        _attn.hand_off(self, key_states, value_states, owner=self._owner())
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        else:
-            check_incoming(self, key_states)
         q = key_states.shape[2]
         if self.seen == 0:
             self.prompt_length = q
@@ -305,7 +219,6 @@ class ComposeLayer(CacheLayerMixin):
         start = seg.start + seg.n
         seg.store.append(key_states, value_states, torch.arange(start, start + q, device=self.device))
         seg.n += q
-        _attn.handoff.layer = self
         self._track_peak()
         return key_states, value_states
 
@@ -343,12 +256,12 @@ class ComposeLayer(CacheLayerMixin):
             if self._has_padding(mask2d, nv):
                 seg.store.set_tail_valid(nv)
                 qvalid = nv
-        w = pipe.query_window
+        w = pipe.query_window if self.sliding_window is None else 0
         if w > 0:
             if qvalid is None:
                 qvalid = torch.ones(query.shape[0], q, dtype=torch.bool, device=self.device)
             seg.ring.record(query, qpos, qvalid, w)
-        observers = bool(pipe.observers) and self.config.observe
+        observers = bool(pipe.observers) and self.config.observe and self.sliding_window is None
         segs = [s for s in self.path() if s.store is not None and s.store.held]
         parts = [self._segment_set(s, observers) for s in segs]
         keys, values = _cat([p[0].keys for p in parts]), _cat([p[0].values for p in parts])
@@ -367,10 +280,13 @@ class ComposeLayer(CacheLayerMixin):
         else:
             out = _attn.attend(query, keys, values, mask, scale, **features)
         if observers:
-            self._observe(seg, segs, parts, AttentionStep(query, keys, pos, valid, mask, scale))
+            self._observe(seg, segs, parts, AttentionStep(query, keys, pos, valid, mask, scale,
+                                                          features.get("softcap"), features.get("sinks")))
         self._merged = next((p[2] for p, s in zip(parts, segs) if s is seg), None)
         if self.scheduled():
             self._schedule(q)
+        elif self.sliding_window is not None:
+            self._keep_window(seg)
         self._merged = None  # fetched copies are not kept between steps
         return out
 
@@ -404,6 +320,23 @@ class ComposeLayer(CacheLayerMixin):
                 s.tier = pipe.tier.write_channels(s.tier, tier_part)
                 merged.channels = ch
 
+    def _keep_window(self, seg: Segment) -> None:
+        """A sliding-window layer keeps the tokens the next queries can see (the newest `window - 1`), cut back
+        once it holds an interval more (exact: the mask hides every older token)."""
+        w = self.sliding_window
+        store = seg.store
+        if store.held < w - 1 + self.config.interval:
+            return
+        pos = store.view().positions
+        keep = pos >= self.seen - (w - 1)
+        t = keep.shape[-1]
+        k = int(keep[0, 0].sum())
+        kept = torch.arange(t - k, t, device=self.device).expand(*keep.shape[:2], k).contiguous()
+        store.compact(kept)
+        if isinstance(store, DenseStore):
+            store.fit()
+        self._track_peak()
+
     # -- compression ----------------------------------------------------------------------------------
     def _over(self, seg: Segment) -> Bool[Tensor, " B"] | None:
         """Rows in which some head holds more real tokens than its limit (or too many slots); None: no row."""
@@ -416,6 +349,15 @@ class ComposeLayer(CacheLayerMixin):
         over = ((real > limits) | (store.lengths >= limits + self.config.interval)).any(-1)
         return over if bool(over.any()) else None
 
+    def _due(self, seg: Segment, decoded: int) -> Bool[Tensor, " B"] | None:
+        """Rows the allocator's `EventTrigger.due` says need an event now (None: no row)."""
+        if self.layer_budget() is None or seg.store is None:
+            return None
+        pipe = self.config.pipeline
+        state = seg.blocks[pipe.leaves.index(pipe.allocator)]
+        rows = pipe.allocator.due(state, seg.store.lengths, seg.limits, decoded, self.config.interval)
+        return rows if bool(rows.any()) else None
+
     def _schedule(self, q: int) -> None:
         """Compress at every `interval`-th decoded token the rows that hold more real tokens than the budget.
 
@@ -424,10 +366,14 @@ class ComposeLayer(CacheLayerMixin):
         cfg = self.config
         seg = self.write_segment()
         decoded = self.seen - self.prompt_length
-        if decoded == 0:
-            if not cfg.compress_prefill:
-                return
-        elif decoded // cfg.interval == (decoded - q) // cfg.interval:
+        if decoded == 0 and not cfg.compress_prefill:
+            return
+        if cfg.trigger:  # the allocator decides which rows are due (GrowPage: a request's pages are full)
+            rows = self._due(seg, decoded)
+            if rows is not None:
+                self.compress(seg, rows)
+            return
+        if decoded and decoded // cfg.interval == (decoded - q) // cfg.interval:
             return
         rows = self._over(seg)
         if rows is not None:
@@ -525,10 +471,12 @@ class ComposeLayer(CacheLayerMixin):
         return TierTokens(g(view.keys), g(view.values), pos, g(view.valid) & inside, g(channels))
 
     # -- transformers Cache API -------------------------------------------------------------------------
+    @_no_trace
     def get_seq_length(self, *args, **kwargs) -> int:
         """Tokens seen (held + evicted): transformers derives positions from it."""
         return self.seen
 
+    @_no_trace
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
         """`(held + new, seen - held)`; accepts an int (transformers >= 5.3) or a cache_position tensor."""
         q = query_length.shape[0] if isinstance(query_length, Tensor) else int(query_length)
@@ -561,15 +509,19 @@ class ComposeLayer(CacheLayerMixin):
                               self.value_dim, self.device, self.dtype)
         self.config.prefetcher.clear()
 
+    @_no_trace
     def reorder_cache(self, beam_idx: Tensor) -> None:
         self.map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
+    @_no_trace
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
+    @_no_trace
     def batch_select_indices(self, indices: Tensor) -> None:
         self.map_rows(lambda t: t[indices.to(t.device)])
 
+    @_no_trace
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the newest `-tokens_to_remove` tokens (a positive value is the legacy form: keep that many
         tokens seen); only possible while every one of them is still held in the write segment."""

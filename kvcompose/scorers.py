@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from .attention import attention_probs
 from .block import Block
 from .kernels import key_redundancy, value_magnitude, window_attention_scores
 from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
@@ -151,6 +152,10 @@ class AccumulatedAttention(Scorer):
         b, hq, q, d = queries.shape
         h = keys.shape[1]
         g = hq // h
+        if step.softcap is not None or step.sinks is not None:  # what the model attended to, features included
+            p = attention_probs(queries, keys, step.mask, step.scale, step.softcap, step.sinks)
+            add = p.reshape(b, h, g * q, -1).sum(dim=2)
+            return state + (add / g if self.normalize else add)
         qg = queries.reshape(b, h, g * q, d).float()
         logits = torch.einsum("bhqd,bhtd->bhqt", qg, keys.float()) * step.scale
         if step.mask is not None:

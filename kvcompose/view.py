@@ -118,6 +118,8 @@ class AttentionStep:
         positions: `[B, H, T]` their original positions; valid: `[B, H, T]`.
         mask: `[B, H, Q, T]` True where a query attended a key (None: every query saw every key).
         scale: the attention scaling.
+        softcap: logit soft-capping of the model (Gemma 2), or None.
+        sinks: `[Hq]` learned sink logits of the model (gpt-oss), or None.
     """
 
     queries: Float[Tensor, "B Hq Q D"]
@@ -126,6 +128,8 @@ class AttentionStep:
     valid: Bool[Tensor, "B H T"]
     mask: Bool[Tensor, "B H Q T"] | None
     scale: float
+    softcap: float | None = None
+    sinks: Float[Tensor, " Hq"] | None = None
 
     def full_mask(self) -> Bool[Tensor, "B H Q T"]:
         """The mask, or an all-True one when every query saw every key."""

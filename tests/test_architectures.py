@@ -23,14 +23,6 @@ from kvcompose import compat
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "olmo2", "gpt_oss", "granite",
          "smollm3"]
 WINDOW = 6  # sliding window of the tiny configs that have one (shorter than every test sequence)
-OLD_WHITELIST = ("llama", "qwen2", "qwen3", "mistral")  # what KVComposeCache accepted before issue 13
-def needs_core(what: str):
-    """xfail until the layer core does `what` (the lead removes the mark when it lands)."""
-    return pytest.mark.xfail(reason=f"needs the layer core of issue 12: {what}", strict=True)
-
-
-NEEDS_CORE_ARCH = needs_core("KVComposeCache accepts what compat.check_model accepts (no model-type whitelist) and "
-                             "ComposeLayer.attention_features = {'softcap', 'sinks'}")
 
 _EXTRA = {
     "llama": {},
@@ -319,11 +311,7 @@ def test_kvcompose_attention_path_matches_eager(arch):
 # --------------------------------------------------------------------------------------------------
 # the compressing cache (the layer core)
 # --------------------------------------------------------------------------------------------------
-def _core(arch):
-    return pytest.param(arch, marks=NEEDS_CORE_ARCH) if arch not in OLD_WHITELIST else arch
-
-
-@pytest.mark.parametrize("arch", [_core(a) for a in ARCHS])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_budget_above_length_matches_dynamic_cache(arch):
     """A compressing cache whose budget exceeds the sequence gives the model's own logits (eager reference),
     on a left-padded batch, sliding-window layers included."""
@@ -336,11 +324,12 @@ def test_budget_above_length_matches_dynamic_cache(arch):
     torch.testing.assert_close(logits, ref_logits, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", [_core(a) for a in ARCHS])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_compressed_logits_match_masked_reference(arch):
-    """Decode one token at a time until the first compression event has run in every layer, then one more:
-    its logits equal a full-sequence forward whose last query sees, per layer and KV head, exactly the
-    positions the cache holds (and itself)."""
+    """Decode one token at a time until every layer holds fewer tokens than it has seen (full-attention
+    layers after a compression event; sliding-window layers, which only keep their window, after a cut), then
+    one more: its logits equal a full-sequence forward whose last query sees, per layer and KV head, exactly
+    the positions the cache holds (and itself)."""
     model = tiny_arch(arch)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 128, (2, 16), generator=g)
@@ -352,12 +341,15 @@ def test_compressed_logits_match_masked_reference(arch):
         for _ in range(64):
             nxt = out.logits[:, -1:].argmax(-1)
             ids = torch.cat([ids, nxt], dim=1)
-            if cache.stats.compress_calls >= n:  # what the next query will see: the held tokens (+ itself)
+            if all(layer.held < layer.seen for layer in cache.layers):  # what the next query will see
                 held = [cache.kept_positions(i) for i in range(n)]
                 out = model(input_ids=nxt, past_key_values=cache)
                 break
             out = model(input_ids=nxt, past_key_values=cache)
-        assert held is not None, "no compression event ran"
+        assert held is not None, "no layer evicted anything"
+        full = [layer for layer in cache.layers if not layer.is_sliding]
+        assert all(layer.events > 0 for layer in full)  # full-attention layers compressed
+        assert all(layer.events == 0 for layer in cache.layers if layer.is_sliding)  # windows are never compressed
         assert max(k.shape[-1] for k in held) < ids.shape[1] - 1  # something was evicted
         kattn.install(model)
         try:

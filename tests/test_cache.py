@@ -3,6 +3,7 @@ the schedule, padding, batch operations and clear errors."""
 
 import pytest
 from beartype.roar import BeartypeCallHintParamViolation
+from jaxtyping import TypeCheckError
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -245,13 +246,18 @@ def test_bad_input_errors():
         KVComposeCache(model, methods.rkv())
     with pytest.raises(KVComposeError, match="more than the budget"):
         KVComposeCache(model, methods.vase(), budget=32)
-    with pytest.raises(BeartypeCallHintParamViolation):  # the shape/type checker is on for the whole session
+    with pytest.raises((TypeCheckError, BeartypeCallHintParamViolation)):  # the checker is on for the session
         KVComposeCache(model, "rkv", budget=64)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(KVComposeError, match="unsupported model type 'gpt2'"):
-        KVComposeCache(gpt2, methods.rkv(), budget=64)
+    with pytest.raises(KVComposeError, match="not among the tested ones"):  # accepted unless strict
+        KVComposeCache(gpt2, methods.rkv(), budget=64, strict=True)
+    for bad in (2**31, 2**40):
+        with pytest.raises(KVComposeError, match="below 2\\*\\*31"):
+            KVComposeCache(model, methods.rkv(), budget=bad)
+        with pytest.raises(KVComposeError, match="below 2\\*\\*31"):
+            KVComposeCache(model, methods.rkv(), budget=64, interval=bad)
     cache = KVComposeCache(model, methods.rkv(), budget=64)
     ids, _ = _inputs(b=1, t=5, pad=(0,))
     with torch.no_grad():

@@ -11,9 +11,8 @@
 6. the declared transformers range is the tested one, and the installed version runs;
 7. buffers grow with the sequence; bad budgets, intervals and layer indices are clear errors.
 
-Tests marked `needs_core(...)` use the layer core (`KVComposeCache`) and pass once it does what the mark
-says (`kvcompose.attention.install` / `hand_off`, ...); the others exercise `kvcompose.attention` through the
-core-free `ReferenceCache` of test_architectures.py.
+Tests use the layer core (`KVComposeCache`) or exercise `kvcompose.attention` through the core-free
+`ReferenceCache` of test_architectures.py.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from kvcompose import KVComposeCache, KVComposeError, methods
 from kvcompose import attention as kattn
 from kvcompose import compat
 from kvcompose.models import tiny_model
-from test_architectures import ReferenceCache, greedy_logits, left_padded, needs_core, tiny_arch
+from test_architectures import ReferenceCache, greedy_logits, left_padded, tiny_arch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,13 +80,9 @@ def _assert_same(a: dict, b: dict) -> None:
 # --------------------------------------------------------------------------------------------------
 # 1. the model is left as it was
 # --------------------------------------------------------------------------------------------------
-INSTALL = needs_core("KVComposeCache calls kvcompose.attention.install(model, owner=self)")
-HAND_OFF = needs_core("ComposeLayer.update calls kvcompose.attention.hand_off(self, keys, values, owner=cache)")
-NO_TRACE = needs_core("the cache's update/get_seq_length/get_mask_sizes/crop/batch methods are wrapped in "
-                      "torch.compiler.disable")
 
 
-@pytest.mark.parametrize("impl", ["sdpa", pytest.param("eager", marks=INSTALL)])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_model_behaves_as_before_after_a_kvcompose_cache(impl):
     model = tiny_arch("llama", impl=impl, dropout=0.2)
     fresh = copy.deepcopy(model)
@@ -96,7 +91,6 @@ def test_model_behaves_as_before_after_a_kvcompose_cache(impl):
     del cache
 
 
-@INSTALL
 def test_model_is_restored_when_its_cache_is_gone():
     model = tiny_arch("llama", impl="eager")
     cache = _use_kvcompose(model)
@@ -206,7 +200,6 @@ def test_switched_implementation_raises_at_the_step_reference_cache():
             kattn.check_consumed(cache)
 
 
-@HAND_OFF
 def test_switched_implementation_raises_at_the_step():
     model = tiny_model("llama", layers=2)
     ids, _ = left_padded(pad=(0, 0))
@@ -218,7 +211,6 @@ def test_switched_implementation_raises_at_the_step():
             model(input_ids=ids[:, :1], past_key_values=cache)
 
 
-@HAND_OFF
 def test_cache_passed_to_another_model_raises():
     model, other = tiny_model("llama", layers=2), tiny_model("llama", layers=2, seed=1)
     ids, _ = left_padded(pad=(0, 0))
@@ -273,7 +265,6 @@ def test_assisted_decoding_with_a_dynamic_cache_is_untouched():
 # --------------------------------------------------------------------------------------------------
 # 4. torch.compile
 # --------------------------------------------------------------------------------------------------
-@NO_TRACE
 def test_torch_compile_equals_eager_or_is_refused():
     """Dynamo (backend "eager": graph capture without code generation, the part that changed the cache's
     behaviour) over a model's forward with a compressing cache: same tokens and events as eager, or a
@@ -366,7 +357,6 @@ def test_buffers_grow_with_the_sequence():
     assert mem.allocated <= 4 * mem.full_cache, f"{mem.allocated} bytes allocated for {mem.full_cache} seen"
 
 
-@needs_core("KVComposeCache refuses a budget or interval >= 2**31 with KVComposeError")
 @pytest.mark.parametrize("arg", ["budget", "interval"])
 def test_huge_budget_or_interval_is_a_clear_error(arg):
     model = tiny_model("llama", layers=2)

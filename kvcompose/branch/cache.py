@@ -17,7 +17,9 @@ Our design (everything below is ours, the abstract gives no mechanism), on kvcom
   branch's nodes: the same update / attend / observe code as `KVComposeCache`, over the path's stores
   (and whatever their tiers hold, merged by position).
 - **Tree-aware allocation.** `budget` caps the tokens held on the device per layer for the whole tree. When
-  it is exceeded, nodes off the active path are compressed, least recently used first: each keeps
+  it is exceeded, nodes off the active path are compressed, lowest search value first (`set_value(branch,
+  v)`: a node is worth the best value of the live branches that pass through it; least recently used breaks
+  ties and is the whole order with `priority="lru"` or when no values are given): each keeps
   `ceil(keep * n)` of its tokens (per layer, row and KV head), chosen by any kvcompose `Pipeline` (default
   H2O-style `AccumulatedAttention` + `TopK`: attention each token received from every query of any branch
   that passed through it); per-head budgets and tiers work as in `KVComposeCache`. The rest goes to the
@@ -46,7 +48,8 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from .. import attention as _attn
-from ..cache import check_interval, check_model
+from .. import compat
+from ..cache import check_budget, check_interval, check_model
 from ..layer import CacheStats, CoreConfig
 from ..pipeline import Pipeline
 from ..prefetch import Prefetcher
@@ -88,7 +91,7 @@ class BranchCache(Cache):
             is set to kvcompose's registered function; forward hooks on it capture token ids (for
             recomputation) and rehydrate lazily. Hooks go away with the cache (or `close()`).
         budget: tokens held on the device per layer (per row and KV head) for the whole tree; when exceeded,
-            inactive nodes are compressed, least recently used first. None: never compress (exact sharing).
+            inactive nodes are compressed in `priority` order. None: never compress (exact sharing).
         keep: fraction of an inactive node's tokens it keeps on the device when compressed.
         min_keep: a compressed node keeps at least this many tokens (nodes this short are left whole).
         scorer: the value estimator: a kvcompose `Scorer` (used with `TopK`) or any `Pipeline` that
@@ -100,10 +103,16 @@ class BranchCache(Cache):
         active_budget: tokens the node being written keeps per layer on the pipeline's schedule (None: the
             active path is never compressed). interval: its compression interval.
         rehydrate: "exact" (restore and recompute before decoding a compressed branch) or "resume" (decode
-            from what the branch still holds).
+            from what the branch still holds: the kept tokens, plus the tier's tokens, attended in place, if
+            the tier holds them; nothing is restored or recomputed; with `Evict()` this is approximate).
+        priority: which inactive nodes are compressed first: "value" (the lowest search value, from
+            `set_value`; a node is worth the best value of the live branches through it, branches without a
+            value inherit the value of the branch they were forked from, or count as the most valuable;
+            ties: least recently used) or "lru" (least recently used only). The active path (the active
+            branch's node and all its ancestors) is never compressed.
         host_limit: bytes the tier may hold; a node whose tokens would exceed it is evicted instead.
         seed: seed of the per-layer random generators handed to the pipeline.
-        strict: refuse model types that are not tested.
+        strict: also refuse model types that are not among the tested ones.
     """
 
     def __init__(
@@ -118,9 +127,10 @@ class BranchCache(Cache):
         active_budget: int | None = None,
         interval: int | None = None,
         rehydrate: Literal["exact", "resume"] = "exact",
+        priority: Literal["value", "lru"] = "value",
         host_limit: int | None = None,
         seed: int = 0,
-        strict: bool = True,
+        strict: bool = False,
     ):
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise KVComposeError(f"budget must be a non-negative int or None, got {budget!r}")
@@ -132,6 +142,8 @@ class BranchCache(Cache):
             raise KVComposeError(f"host_limit must be a non-negative int (bytes) or None, got {host_limit!r}")
         if rehydrate not in ("exact", "resume"):
             raise KVComposeError(f"rehydrate must be 'exact' or 'resume', got {rehydrate!r}")
+        if priority not in ("value", "lru"):
+            raise KVComposeError(f"priority must be 'value' or 'lru', got {priority!r}")
         if active_budget is not None and (isinstance(active_budget, bool) or not isinstance(active_budget, int)
                                           or active_budget <= 0):
             raise KVComposeError(f"active_budget must be a positive int or None, got {active_budget!r}")
@@ -153,7 +165,8 @@ class BranchCache(Cache):
             pipeline = pipeline.replace(tier, name=pipeline.name)
         if active_budget is not None:
             pipeline.validate(active_budget)
-        config = check_model(model, strict)
+        config, self.attention = check_model(model, strict)
+        check_budget(active_budget, "active_budget")
         self.model = model
         self.budget = budget
         self.keep = float(keep)
@@ -163,6 +176,8 @@ class BranchCache(Cache):
         self.host_limit = host_limit
         self.seed = seed
         self.rehydrate_mode = rehydrate
+        self.priority = priority
+        self._values: dict[int, float] = {}
         self.num_layers = config.num_hidden_layers
         self.stats = CacheStats()
         observe = budget is not None or scorer is not None or active_budget is not None
@@ -171,10 +186,9 @@ class BranchCache(Cache):
                                                        else (pipeline.interval or 64)),
                                num_layers=self.num_layers, seed=seed, prefetcher=Prefetcher(), stats=self.stats,
                                observe=observe)
-        _attn.register()
-        if getattr(model.config, "_attn_implementation", None) != _attn.ATTN_IMPLEMENTATION:
-            model.set_attn_implementation(_attn.ATTN_IMPLEMENTATION)
-        layers = [BranchLayer(self.core, i, self) for i in range(self.num_layers)]
+        _attn.install(model, owner=self)
+        windows = {a.index: a.sliding_window for a in self.attention.layers if a.kind == "sliding"}
+        layers = [BranchLayer(self.core, i, self, sliding_window=windows.get(i)) for i in range(self.num_layers)]
         for layer in layers:
             layer.peers = layers
         super().__init__(layers=layers)
@@ -191,7 +205,8 @@ class BranchCache(Cache):
         self._pending = False
         self._recompute_path: list[_Node] | None = None
         self._incoming: dict[str, Tensor | None] = {}
-        self.rehydrations = {"host": 0, "recomputed": 0, "recomputed_tokens": 0}
+        self.rehydrations = {"host": 0, "recomputed": 0, "recomputed_tokens": 0, "resumed": 0}
+        self._resuming = False
         self.compressions = 0
         self._peak = {"device": 0, "held": 0, "host": 0, "total": 0}
         # hooks: capture token ids / position ids, rehydrate lazily, enforce the budget after each forward
@@ -201,13 +216,13 @@ class BranchCache(Cache):
         # collection inside a forward); torch then calls them without kwargs, so both accept that and do nothing.
         def pre(module, args, kwargs=None):
             c = ref()
-            if c is not None and kwargs is not None and kwargs.get("past_key_values") is c:
+            if c is not None and kwargs is not None and compat.forward_cache(kwargs) is c:
                 c._before_forward(kwargs)
 
         def post(module, args, *rest):
             c = ref()
             kwargs = rest[0] if len(rest) == 2 else None
-            if c is not None and kwargs is not None and kwargs.get("past_key_values") is c:
+            if c is not None and kwargs is not None and compat.forward_cache(kwargs) is c:
                 c._after_forward()
 
         handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
@@ -239,6 +254,8 @@ class BranchCache(Cache):
         self._next_branch += 1
         self._branches[new] = node
         self._lineage[new] = b
+        if b in self._values:
+            self._values[new] = self._values[b]
         node.branches.add(new)
         return new
 
@@ -257,7 +274,9 @@ class BranchCache(Cache):
         self._active = branch
         self._path_cache = None
         self.core.prefetcher.clear()
-        self._pending = self.rehydrate_mode == "exact" and any(n.compressed for n in node.path())
+        compressed = any(n.compressed for n in node.path())
+        self._pending = self.rehydrate_mode == "exact" and compressed
+        self._resuming = self.rehydrate_mode == "resume" and compressed
         self._enforce_budget()
 
     def drop(self, branch: int) -> None:
@@ -275,6 +294,7 @@ class BranchCache(Cache):
             if parent == branch:
                 self._lineage[child] = self._lineage[branch]
         del self._lineage[branch]
+        self._values.pop(branch, None)
         self._free_up(node)
 
     def prune(self, branch: int) -> list[int]:
@@ -316,6 +336,28 @@ class BranchCache(Cache):
         """True when some node on the branch's path holds only part of its tokens on the device."""
         return any(n.compressed for n in self._node_of(branch, "inspect").path())
 
+    def set_value(self, branch: int, value: int | float) -> None:
+        """Give a branch the search's value estimate (higher = more likely to be decoded again).
+
+        With `priority="value"`, inactive nodes are compressed lowest value first: a node is worth the best
+        value of the live branches that pass through it (its own handles and its descendants'), so a prefix
+        shared by a good branch is kept. A fork inherits its parent's value until it gets its own. Checked
+        against the budget at the next switch or forward.
+        """
+        self._node_of(branch, "set the value of")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise KVComposeError(f"a branch value must be a number (not NaN), got {value!r}")
+        self._values[branch] = float(value)
+
+    def value(self, branch: int) -> float:
+        """The value estimate of a branch (`math.inf` when neither it nor its fork ancestors got one)."""
+        self._node_of(branch, "read the value of")
+        return self._values.get(branch, math.inf)
+
+    def node_values(self) -> dict[int, float]:
+        """Value of every live node (node id -> the best value of the live branches through it)."""
+        return {n.id: v for n, v in self._node_values().items()}
+
     def compress(self, branch: int) -> int:
         """Compress now every node of `branch` that is off the active path; returns the tokens freed (layer 0).
 
@@ -325,7 +367,7 @@ class BranchCache(Cache):
         active = set(self._path())
         freed = 0
         for n in self._node_of(branch, "compress").path():
-            if n not in active and not n.compressed:
+            if n not in active and n.segs[0].held() > self._keep_target(n):
                 freed += self._compress_node(n)
         return freed
 
@@ -357,8 +399,16 @@ class BranchCache(Cache):
         )
 
     def close(self) -> None:
-        """Remove the forward hooks from the model (also done when the cache is garbage-collected)."""
+        """Remove the forward hooks from the model and give it its previous attention implementation back
+        (both also done when the cache is garbage-collected)."""
         self._finalizer()
+        _attn.release(self)
+
+    kvcompose_attention = True  # kvcompose.attention routes calls that carry this cache to its layers
+
+    def activate_past_recording(self, *args, **kwargs):
+        """Called by transformers (5.23+) before assisted / prompt-lookup decoding: refused."""
+        raise KVComposeError(compat.ASSISTED_MESSAGE)
 
     def __repr__(self) -> str:
         return (f"BranchCache(budget={self.budget}, keep={self.keep}, scorer={self.pipeline!r}, tier={self.tier!r}, "
@@ -423,14 +473,6 @@ class BranchCache(Cache):
             node = parent
 
     # -- internals: forward -------------------------------------------------------------------------
-    def _check_attention(self) -> None:
-        impl = getattr(self.model.config, "_attn_implementation", None)
-        if impl != _attn.ATTN_IMPLEMENTATION:
-            raise KVComposeError(
-                f"the model's attention implementation is {impl!r}; BranchCache needs kvcompose's "
-                f"({_attn.ATTN_IMPLEMENTATION!r}): do not change it while the cache is in use"
-            )
-
     def _before_forward(self, kwargs: dict) -> None:
         if self._recompute_path is not None:
             return
@@ -452,6 +494,9 @@ class BranchCache(Cache):
             return
         if self._pending:  # a forward that bypassed the model's hooks (e.g. called on model.model)
             self.rehydrate()
+        if self._resuming:  # the first forward on a compressed branch in "resume" mode: decoded as it is
+            self._resuming = False
+            self.rehydrations["resumed"] += 1
         node = self._branches[self._active]
         if node.sealed:
             child = self._new_node(node)
@@ -497,17 +542,45 @@ class BranchCache(Cache):
         self._peak["total"] = max(self._peak["total"], device + host)
 
     # -- internals: compression and rehydration -----------------------------------------------------
+    def _node_values(self) -> dict[_Node, float]:
+        """Per live node, the best value of the live branches whose path passes through it."""
+        out: dict[_Node, float] = {}
+        for b, node in self._branches.items():
+            v = self._values.get(b, math.inf)
+            while node is not None:
+                if out.get(node, -math.inf) < v:
+                    out[node] = v
+                node = node.parent
+        return out
+
+    def _keep_target(self, node: _Node) -> int:
+        """Tokens a compressed node keeps on the device (per layer, row and KV head)."""
+        return max(self.min_keep, math.ceil(self.keep * node.n))
+
+    def compression_order(self) -> list[int]:
+        """Ids of the inactive nodes that can still be compressed, in the order the budget would compress
+        them (the active path never appears)."""
+        return [n.id for n in self._candidates()]
+
+    def _candidates(self) -> list[_Node]:
+        active = set(self._path())
+        nodes = [n for n in self._all_nodes()
+                 if n not in active and n.n > self.min_keep and n.segs[0].held() > self._keep_target(n)]
+        if self.priority == "value":
+            values = self._node_values()
+            nodes.sort(key=lambda n: (values.get(n, -math.inf), n.last_used, n.id))
+        else:
+            nodes.sort(key=lambda n: (n.last_used, n.id))
+        return nodes
+
     def _enforce_budget(self, extra: int = 0) -> None:
-        """Compress inactive nodes, least recently used first, until the device holds at most `budget` tokens."""
+        """Compress inactive nodes in `priority` order until the device holds at most `budget` tokens."""
         if self.budget is None or self._recompute_path is not None:
             return
         over = max(self._held_tokens(i) for i in range(self.num_layers)) + extra - self.budget
         if over <= 0:
             return
-        active = set(self._path())
-        candidates = [n for n in self._all_nodes() if n not in active and not n.compressed and n.n > self.min_keep]
-        candidates.sort(key=lambda n: (n.last_used, n.id))
-        for node in candidates:
+        for node in self._candidates():
             over -= self._compress_node(node)
             if over <= 0:
                 break
@@ -516,16 +589,18 @@ class BranchCache(Cache):
     def _compress_node(self, node: _Node) -> int:
         """Keep `ceil(keep * n)` tokens of every layer of an inactive node; the rest go to the tier. Returns
         the tokens freed in layer 0."""
-        k = max(self.min_keep, math.ceil(self.keep * node.n))
-        if k >= node.n or node.segs[0].held() < node.n:
+        k = self._keep_target(node)
+        if k >= node.n or node.segs[0].held() <= k:
             return 0
         holds = self.tier.holds_tokens
         if holds and self.host_limit is not None:
             bytes_out = (node.n - k) * self.layers[0].bytes_per_token() * self.num_layers
             if self._totals()[2] + bytes_out > self.host_limit:
                 holds = False
-        if not holds and not node.ids_known:
+        if not holds and not node.ids_known and self.rehydrate_mode == "exact":
             return 0  # cannot be recomputed: leave it whole
+        if not holds and node.compressed and self.tier.holds_tokens:
+            return 0  # its tier already holds some of its tokens: evicting the rest would leave copies there
         pipeline = self.pipeline if holds else self.pipeline.replace(Evict(), name=self.pipeline.name)
         freed = 0
         for layer_idx, seg in enumerate(node.segs):
@@ -585,8 +660,8 @@ class BranchCache(Cache):
         node.n = e
         self._recompute_path = path
         try:
-            kwargs: dict[str, Any] = dict(input_ids=ids.to(dev), position_ids=pos_ids.to(dev), past_key_values=self,
-                                          use_cache=True)
+            kwargs: dict[str, Any] = dict(input_ids=ids.to(dev), position_ids=pos_ids.to(dev), use_cache=True,
+                                          **{compat.cache_argument(self.model): self})
             if mask is not None and mask.shape[1] == total + node.start:
                 kwargs["attention_mask"] = mask.to(dev, torch.long)
             if "logits_to_keep" in inspect.signature(self.model.forward).parameters:

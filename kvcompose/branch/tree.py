@@ -111,9 +111,9 @@ class BranchLayer(ComposeLayer):
     """One decoder layer of a `BranchCache`: a `ComposeLayer` whose path is the active branch's nodes
     (`[B, H, n, D]` segments, oldest first); it writes into the active branch's node."""
 
-    def __init__(self, config: CoreConfig, layer_idx: int, tree: Any):
+    def __init__(self, config: CoreConfig, layer_idx: int, tree: Any, sliding_window: int | None = None):
         self._tree = weakref.ref(tree)
-        super().__init__(config, layer_idx)
+        super().__init__(config, layer_idx, owner=tree, sliding_window=sliding_window)
 
     @property
     def tree(self) -> Any:
@@ -127,13 +127,12 @@ class BranchLayer(ComposeLayer):
         return [node.segs[self.layer_idx] for node in self.tree._path()]
 
     def scheduled(self) -> bool:
-        return self.config.pipeline.compresses and self.config.budget is not None
+        return super().scheduled() and self.config.budget is not None
 
+    @torch.compiler.disable
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Append the new tokens to the active branch's node and hand this layer to the attention function."""
         tree = self.tree
-        if self.layer_idx == 0:
-            tree._check_attention()
         if self.is_initialized:
             check_incoming(self, key_states, " (all rows share one tree: generate's beams and "
                            "num_return_sequences are not supported; branch with fork())")
