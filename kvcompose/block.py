@@ -17,7 +17,8 @@ Composite blocks (a weighted sum of scorers, a block-granular selector around an
 parts in `children()`; their state is the tuple of their children's states.
 
 Optional capabilities are `typing.Protocol` classes checked with `isinstance`: `Observer` (sees every
-attention step) and `LayerSchedule` (gives each layer its own budget).
+attention step), `LayerSchedule` (gives each layer its own budget) and `EventTrigger` (an allocator that
+decides itself which rows of a paged layer need a compression event, instead of the interval rule).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from collections.abc import Callable
 from dataclasses import fields, is_dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
+from jaxtyping import Bool, Int
 from torch import Tensor
 
 from .view import AttentionStep, LayerSpec
 
-__all__ = ["Block", "Observer", "LayerSchedule", "map_row_tensors"]
+__all__ = ["Block", "Observer", "LayerSchedule", "EventTrigger", "map_row_tensors"]
 
 
 def map_row_tensors(state: Any, fn: Callable[[Tensor], Tensor], batch: int) -> Any:
@@ -91,3 +93,22 @@ class LayerSchedule(Protocol):
     seen) -> int` (PyramidKV, ReasonAlloc's wave, a share of the tokens seen)."""
 
     def layer_budget(self, layer_idx: int, num_layers: int, budget: int | None, seen: int) -> int: ...
+
+
+@runtime_checkable
+class EventTrigger(Protocol):
+    """An allocator of a paged layer that decides itself when rows need a compression event (GrowPage: when a
+    request's pages are full), instead of the layer's rule "every `interval`-th decoded token, rows that hold
+    more than their limit".
+
+    `due(state, lengths, limits, decoded, interval) -> Bool[B]`, asked by the layer core after the attention
+    of every forward call (prefill only with `compress_prefill=True`): `state` is the allocator's layer state
+    (what `init` / the last `allocate` returned; the allocator must be a leaf of the pipeline), `lengths`
+    `[B, H]` the slots each (row, KV head) holds (padding included: it occupies pages too), `limits` `[B, H]`
+    the kept budgets of the last event (`initial_limits` before the first), `decoded` the tokens decoded so
+    far and `interval` the cache's interval. The rows it returns go through one event
+    (`ComposeLayer.compress(rows=...)`), where `allocate` decides for each of them (take a page, or compress).
+    """
+
+    def due(self, state: Any, lengths: Int[Tensor, "B H"], limits: Int[Tensor, "B H"] | None, decoded: int,
+            interval: int) -> Bool[Tensor, " B"]: ...

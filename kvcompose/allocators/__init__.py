@@ -7,7 +7,7 @@
 
 from .base import Allocator, Uniform, layer_budget, round_to_total
 from .heads import GrowPage, HeadUtility
-from .layers import PROFILE_KIND, Pyramid, ReasoningWave, SeenShare
+from .layers import PROFILE_KIND, Pyramid, ReasoningWave, SeenShare, shipped_profiles, water_fill
 
 __all__ = ["Allocator", "Uniform", "Pyramid", "ReasoningWave", "HeadUtility", "GrowPage", "SeenShare",
-           "round_to_total", "layer_budget", "PROFILE_KIND"]
+           "round_to_total", "layer_budget", "PROFILE_KIND", "shipped_profiles", "water_fill"]

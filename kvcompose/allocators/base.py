@@ -12,8 +12,8 @@ the per-head budgets, not `B * H * max(budget)`.
 Budget conservation (checked by tests/test_allocators.py):
 - `Pyramid` and `ReasoningWave`: `sum_l layer_budget(l) == num_layers * budget` exactly.
 - `HeadUtility`: per row, `sum_h budget[b, h] == H * layer_budget` and every head gets at least its floor.
-- `GrowPage`: per layer, `sum_{b,h} budget[b, h] <= cap * B * H * budget` (the global cap across the batch)
-  and every head keeps at least `floor` pages.
+- `GrowPage`: per layer and KV head, `sum_b pages[b] * page <= cap * B * budget` (the global cap across the
+  batch), every row keeps at least `floor` pages and all KV heads of a row the same budget.
 
 Stateful allocators (`GrowPage`) declare `init(spec)` and return their new state from each call; the
 pipeline threads it per layer (and per tree node), never on the block object: one allocator serves every

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..block import LayerSchedule
 from ..kernels import window_attention_scores
-from ..view import KVComposeError, LayerSpec, LayerView
+from ..view import FAR_POSITION, KVComposeError, LayerSpec, LayerView
 from .base import Allocator, _check_budget, _is_int, _share, round_to_total
 
 __all__ = ["HeadUtility", "GrowPage"]
@@ -76,11 +76,18 @@ class HeadUtility(Allocator):
             return budget
         return self.layers.layer_budget(layer_idx, num_layers, budget, seen)
 
+    def layer_budgets(self, num_layers: int, budget: int) -> list[int]:
+        """The static layer budgets of `layers` (uniform without)."""
+        return [budget] * num_layers if self.layers is None else self.layers.layer_budgets(num_layers, budget)
+
     def floor_tokens(self, budget: int) -> int:
         """The per-head floor at a layer budget."""
         return max(1, _share(self.floor, budget))
 
     def check(self, pipeline: Any, budget: int | None, num_layers: int, num_heads: int) -> None:
+        resolve = getattr(self.layers, "resolve", None)  # ReasoningWave(profile="auto") finds its profile
+        if resolve is not None:
+            resolve(num_layers, num_heads)
         super().check(pipeline, budget, num_layers, num_heads)
         if budget is None:
             return
@@ -150,50 +157,57 @@ class HeadUtility(Allocator):
 
 # ------------------------------------------------------------------------------------------- GrowPage
 class GrowPage(Allocator):
-    """GrowPage: on-demand capacity; each (request, KV head) budget grows or shrinks one page at a time.
+    """GrowPage: on-demand capacity per request; a request's pages fill, then it takes a page or compresses.
 
-    GrowPage (abstract only, no public code): "per-request budgets grow by pages; fast and slow
-    query summaries estimate the attention working set; at a capacity boundary, compress or take a page".
-    kvcompose's reading, per layer:
+    GrowPage (abstract only, no public code): "per-request budgets grow by pages; fast and slow query
+    summaries estimate the attention working set; at a capacity boundary, compress or take a page".
+    kvcompose's reading, per layer and per request (batch row); every KV head of a row holds the same number
+    of tokens, in pages of `page` tokens:
 
-    - State (in the layer's cache state): a fast and a slow exponential moving average of the post-RoPE
+    - State (the layer's allocator state): a fast and a slow exponential moving average of the post-RoPE
       queries of every query head (`[B, Hq, D]`, rates `fast` and `slow` per decoded token, updated at each
-      compression event from the queries decoded since the last one, which the ring buffer of `window >=
-      interval` queries holds exactly), the same EMAs of the squared query norms, and the pages of each
-      (row, KV head).
+      event from the queries decoded since the last one, which the ring buffer of `window` queries holds
+      exactly as long as events are at most `window` tokens apart), the same EMAs of the squared query norms,
+      and the pages `[B]` each row holds per KV head.
     - Each timescale summarises the queries as a Gaussian `N(mu, sigma^2 I)` (mean and spread from the two
       EMAs). A query drawn from it gives key `k` the expected softmax numerator
       `exp(s mu.k + s^2 sigma^2 |k|^2 / 2)` (log-normal mean, s the attention scale): a broad query
       distribution reaches more keys than its mean query would (`spread=False` drops the variance term).
     - Working set of a head: the union of the keys covering `coverage` of the fast and of the slow
-      expected attention (mean over the query group). When the fast summary drifts from the slow one (a
-      new phase of the reasoning) or spreads, the union broadens.
-    - At a compression event (the capacity boundary: some head holds more than its pages), every head whose
-      working set needs more pages than it has asks for one more page; the layer's pool grants requests,
-      largest deficit first, while the global cap `cap * B * H * budget` tokens across the batch allows;
-      the others compress inside their allocation. With `shrink`, a head whose working set needs at least
-      two pages fewer returns one page to the pool (it is reused by the next grant).
-    - Budget of a head = its pages * page size; the storage is paged with the same page size.
+      expected attention (mean over the query group). A row wants `ceil(working set / page)` pages,
+      reduced over its KV heads with `heads` ("max": the broadest head decides, "mean").
+    - **Trigger** (`due`, the `EventTrigger` capability): a row is due when its pages are full (some head
+      of it holds `pages * page` slots), checked after every forward call, not at fixed interval events.
+    - **Decision** at an event, for each due row: a row whose working set needs more pages than it has asks
+      for one page; the layer's pool grants requests, largest deficit first, while the cap
+      `cap * B * budget / page` pages per KV head across the batch allows. A row that got its page keeps
+      every token (it has room again); the others compress to `pages * page - room` tokens, which leaves
+      `room` free slots (default one page) before they are due again. With `shrink`, a due row whose working
+      set needs at least two pages fewer than it holds returns one page first (the next grant reuses it).
+    - Budget of a row = its pages * page size (its memory ceiling per KV head); storage is paged with the
+      same page size, so a row's memory follows its pages.
 
     Args:
         page: tokens per page (16).
-        initial: starting pages per head, as a share of the cache budget (0.5) rounded down to pages.
-        cap: the layer's pool across the batch, as a multiple of the uniform total `B * H * budget` (1.0:
-            never more than `Uniform` at the same budget).
-        floor: fewest pages a head keeps (1).
+        initial: starting pages per row, as a share of the cache budget (0.5) rounded down to pages.
+        cap: the layer's pages across the batch, as a multiple of the uniform total `B * budget` tokens per
+            KV head (1.0: never more than `Uniform` holds at the same budget after an event).
+        floor: fewest pages a row keeps (2: with `room` = one page, a compressed row keeps at least a page).
+        room: free slots a compression leaves in the row's pages (None: one page).
         coverage: attention mass the working set must cover (0.9).
         fast: EMA rate of the fast query summary per decoded token (0.25).
         slow: EMA rate of the slow query summary per decoded token (0.01).
         shrink: return pages when the working set narrows.
-        window: query ring-buffer size; at least the cache's interval for exact EMAs.
+        window: query ring-buffer size; at least the largest gap between events for exact EMAs.
         spread: include the query spread (variance) in the expected attention.
+        heads: how a row's KV heads' page wants are reduced: "max" (default) or "mean".
     """
 
     uniform = False
 
-    def __init__(self, page: int = 16, initial: int | float = 0.5, cap: int | float = 1.0, floor: int = 1,
-                 coverage: int | float = 0.9, fast: float = 0.25, slow: float = 0.01, shrink: bool = True,
-                 window: int = 64, spread: bool = True):
+    def __init__(self, page: int = 16, initial: int | float = 0.5, cap: int | float = 1.0, floor: int = 2,
+                 room: int | None = None, coverage: int | float = 0.9, fast: float = 0.25, slow: float = 0.01,
+                 shrink: bool = True, window: int = 64, spread: bool = True, heads: Literal["max", "mean"] = "max"):
         if not _is_int(page) or page <= 0:
             raise KVComposeError(f"GrowPage: bad page size {page!r}: a positive int of tokens")
         for name, v in (("initial", initial), ("cap", cap)):
@@ -203,24 +217,34 @@ class GrowPage(Allocator):
             raise KVComposeError(f"GrowPage: initial {initial} exceeds the cap {cap}")
         if not _is_int(floor) or floor <= 0:
             raise KVComposeError(f"GrowPage: floor must be a positive int of pages, got {floor!r}")
+        room = page if room is None else room
+        if not _is_int(room) or room <= 0:
+            raise KVComposeError(f"GrowPage: room must be a positive int of tokens, got {room!r}")
+        if room >= floor * page:
+            raise KVComposeError(f"GrowPage: room {room} leaves nothing of a row at its floor of {floor} pages of "
+                                 f"{page}: lower room or raise floor")
         if not 0.0 < coverage <= 1.0:
             raise KVComposeError(f"GrowPage: coverage must be in (0, 1], got {coverage}")
         if not (0.0 < slow < 1.0 and 0.0 < fast < 1.0):
             raise KVComposeError(f"GrowPage: EMA rates must be in (0, 1), got fast={fast}, slow={slow}")
         if not _is_int(window) or window <= 0:
             raise KVComposeError(f"GrowPage: window must be a positive int, got {window!r}")
+        if heads not in ("max", "mean"):
+            raise KVComposeError(f"GrowPage: heads must be 'max' or 'mean', got {heads!r}")
         self.page_size = page
-        self.initial, self.cap, self.floor, self.coverage = float(initial), float(cap), floor, coverage
+        self.initial, self.cap, self.floor, self.room = float(initial), float(cap), floor, room
+        self.coverage, self.heads = coverage, heads
         self.fast, self.slow, self.shrink, self.window, self.spread = fast, slow, shrink, window, spread
         self.query_window = window
 
     # -- sizes ----------------------------------------------------------------------------------------
     def initial_pages(self, budget: int) -> int:
+        """Pages a row starts with (per KV head)."""
         return max(self.floor, int(self.initial * budget) // self.page_size)
 
-    def cap_pages(self, budget: int, batch: int, heads: int) -> int:
-        """The layer's page pool across the batch (the global cap)."""
-        return int(self.cap * batch * heads * budget) // self.page_size
+    def cap_pages(self, budget: int, batch: int) -> int:
+        """The layer's pages per KV head across the batch (the global cap): `cap * batch * budget / page`."""
+        return int(self.cap * batch * budget) // self.page_size
 
     def initial_limits(self, budget: int, batch: int, heads: int, device: torch.device) -> Int[Tensor, "B H"]:
         return torch.full((batch, heads), self.initial_pages(budget) * self.page_size, dtype=torch.long, device=device)
@@ -232,17 +256,31 @@ class GrowPage(Allocator):
         if self.page_size > budget:
             raise KVComposeError(f"GrowPage: bad page size {self.page_size}: larger than the budget {budget}")
         init = self.initial_pages(budget)
-        if init * num_heads > self.cap_pages(budget, 1, num_heads):
+        if init > self.cap_pages(budget, 1):
             raise KVComposeError(
-                f"GrowPage: {init} initial pages x {num_heads} heads exceed the cap of "
-                f"{self.cap_pages(budget, 1, num_heads)} pages per row at page size {self.page_size}"
+                f"GrowPage: {init} initial pages per row exceed the cap of {self.cap_pages(budget, 1)} pages per "
+                f"row at page size {self.page_size} and budget {budget}: raise the budget or cap, or lower floor"
             )
-        fixed = pipeline.fixed_protection(self.floor * self.page_size)
-        if fixed > self.floor * self.page_size:
+        least = self.floor * self.page_size - self.room
+        fixed = pipeline.fixed_protection(least)
+        if fixed > least:
             raise KVComposeError(
-                f"GrowPage: a head at its floor ({self.floor} pages of {self.page_size}) cannot hold the {fixed} "
-                "tokens the protectors always keep: raise floor or page"
+                f"GrowPage: a row compressed at its floor keeps {least} tokens ({self.floor} pages of "
+                f"{self.page_size} minus room {self.room}), fewer than the {fixed} tokens the protectors always "
+                "keep: raise floor or page"
             )
+
+    # -- the trigger ------------------------------------------------------------------------------------
+    def due(self, state: Any, lengths: Int[Tensor, "B H"], limits: Int[Tensor, "B H"] | None, decoded: int,
+            interval: int) -> Bool[Tensor, " B"]:
+        """Rows whose pages are full: some KV head holds `pages * page` slots (`EventTrigger`)."""
+        pages = state.get("pages") if isinstance(state, dict) else None
+        held = lengths.amax(-1)
+        if pages is not None and pages.shape == held.shape:
+            return held >= pages * self.page_size
+        if limits is None:
+            return torch.zeros_like(held, dtype=torch.bool)
+        return held >= limits.amax(-1)
 
     # -- summaries --------------------------------------------------------------------------------------
     @staticmethod
@@ -305,6 +343,13 @@ class GrowPage(Allocator):
         """Empty per-layer state: query summaries and page counts appear at the first event."""
         return {}
 
+    def row_want(self, view: LayerView, state: dict[str, Tensor]) -> Int[Tensor, " B"]:
+        """Pages each row wants: its heads' working sets in pages, reduced with `heads`, at least `floor`."""
+        pgs = self.page_size
+        want = (self.working_set(view, state) + pgs - 1) // pgs  # [B, H]
+        row = want.amax(-1) if self.heads == "max" else (want.float().mean(-1).ceil().long())
+        return row.clamp(min=self.floor)
+
     def allocate(self, view: LayerView, budget: int, state: dict[str, Any] | None = None
                  ) -> tuple[Int[Tensor, "B H"], dict[str, Any]]:
         if not isinstance(state, dict):
@@ -320,29 +365,33 @@ class GrowPage(Allocator):
             self._ema_update(state, "slow", self.slow, view.queries, new)
             state["last"] = int(view.query_positions[-1])
         pages = state.get("pages")
-        if pages is None or pages.shape != (b, h):
-            pages = torch.full((b, h), self.initial_pages(budget), dtype=torch.long, device=dev)
+        if pages is None or pages.shape != (b,):
+            pages = torch.full((b,), self.initial_pages(budget), dtype=torch.long, device=dev)
         act = torch.ones(b, dtype=torch.bool, device=dev) if view.rows is None else view.rows.to(dev)
-        ws = self.working_set(view, state)
-        want = ((ws + pgs - 1) // pgs).clamp(min=self.floor)
+        held = (view.positions < FAR_POSITION).sum(-1).amax(-1)  # slots per row (padding included)
+        want = self.row_want(view, state)
         if self.shrink:
-            give_back = (want <= pages - 2) & act[:, None]
+            give_back = (want <= pages - 2) & act
             pages = torch.where(give_back, pages - 1, pages).clamp(min=self.floor)
             state["returned"] = state.get("returned", 0) + int(give_back.sum())
-        deficit = (want - pages).clamp(min=0) * act[:, None]
-        free = self.cap_pages(budget, b, h) - int(pages.sum())
+        deficit = (want - pages).clamp(min=0) * (act & (held >= pages * pgs)).long()
+        free = self.cap_pages(budget, b) - int(pages.sum())
         n_req = int((deficit > 0).sum())
         if n_req and free > 0:
-            order = torch.sort(deficit.reshape(-1), descending=True, stable=True).indices
-            grant = torch.zeros(b * h, dtype=torch.long, device=dev)
+            order = torch.sort(deficit, descending=True, stable=True).indices
+            grant = torch.zeros(b, dtype=torch.long, device=dev)
             grant[order[: min(free, n_req)]] = 1
-            pages = pages + grant.reshape(b, h)
+            pages = pages + grant
             state["granted"] = state.get("granted", 0) + int(grant.sum())
         state["denied"] = state.get("denied", 0) + max(0, n_req - max(free, 0))
+        ceiling = pages * pgs
+        compress = act & (held >= ceiling)
+        state["compressed"] = state.get("compressed", 0) + int(compress.sum())
         state["pages"] = pages
-        return pages * pgs, state
+        out = torch.where(compress, ceiling - self.room, ceiling)
+        return out[:, None].expand(b, h).contiguous(), state
 
     def __repr__(self) -> str:
-        return (f"GrowPage(page={self.page_size}, initial={self.initial:g}, cap={self.cap:g}, "
+        return (f"GrowPage(page={self.page_size}, initial={self.initial:g}, cap={self.cap:g}, room={self.room}, "
                 f"coverage={self.coverage:g}, fast={self.fast:g}, slow={self.slow:g}, shrink={self.shrink}, "
-                f"spread={self.spread})")
+                f"spread={self.spread}, heads={self.heads!r})")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from ..tiers.hierarchy import check_ratio, floor_share
 from ..view import KVComposeError, LayerView
 from .base import Allocator, _check_budget, _is_int, _round_list, _share
 
-__all__ = ["SeenShare", "Pyramid", "ReasoningWave", "PROFILE_KIND"]
+__all__ = ["SeenShare", "Pyramid", "ReasoningWave", "PROFILE_KIND", "shipped_profiles", "water_fill"]
 
 
 class SeenShare(Allocator):
@@ -158,26 +159,83 @@ class Pyramid(_PerLayer):
 PROFILE_KIND = "kvcompose.reasoning_wave"
 
 
+def shipped_profiles() -> list[dict[str, Any]]:
+    """The ReasoningWave profiles shipped with kvcompose (`kvcompose/profiles/*.json`), each with its file name
+    under `"file"`."""
+    from importlib.resources import files
+
+    out = []
+    root = files("kvcompose").joinpath("profiles")
+    if not root.is_dir():
+        return out
+    for f in sorted(root.iterdir(), key=lambda x: x.name):
+        if f.name.endswith(".json"):
+            data = json.loads(f.read_text())
+            if isinstance(data, dict) and data.get("kind") == PROFILE_KIND:
+                out.append({**data, "file": f.name})
+    return out
+
+
+def _profile_shape(data: dict[str, Any]) -> tuple[int, int | None]:
+    fp = data.get("fingerprint") or {}
+    layers = fp.get("num_hidden_layers", len(data.get("demand") or []))
+    return int(layers), fp.get("num_key_value_heads")
+
+
+def water_fill(static: list[int], cap: int) -> list[int]:
+    """Layer budgets capped at `cap` tokens with the surplus spread over the uncapped layers in proportion
+    to their static budgets (the same total, `sum(static)`, while `len(static) * cap >= sum(static)`;
+    otherwise every layer gets `cap`). Rounded to integers with the exact total."""
+    total, n = sum(static), len(static)
+    if cap * n <= total:
+        return [cap] * n
+    capped = [s >= cap for s in static]
+    while True:
+        rest = sum(s for s, c in zip(static, capped) if not c)
+        lam = (total - cap * sum(capped)) / rest
+        grown = [c or lam * s >= cap for s, c in zip(static, capped)]
+        if grown == capped:
+            break
+        capped = grown
+    return _round_list([float(cap) if c else lam * s for s, c in zip(static, capped)], total)
+
+
 class ReasoningWave(_PerLayer):
     """ReasonAlloc's offline layer-wise preallocation: layer budgets follow a calibrated demand profile.
 
     ReasonAlloc (abstract only, no public code): reasoning models need much
     context in shallow layers, less in the middle, more again in deep layers (the "Reasoning Wave").
-    kvcompose measures it (`kvcompose.calibration.calibrate_reasoning_wave`): teacher-forcing sample reasoning traces with the full
-    cache, each layer's demand is the number of keys a decoding query needs to cover `coverage` (0.9) of its
-    attention mass, averaged over heads and queries. The profile is a JSON file; budgets are then
-    `floor + (L * (C - floor)) * demand_l / sum(demand)`, rounded so the total equals `Uniform`'s
-    (`L * C`). Layer budgets are per row and KV head and use dense per-layer storage.
+    kvcompose measures it (`kvcompose calibrate`, or `kvcompose.calibration.calibrate_reasoning_wave`):
+    teacher-forcing sample reasoning traces with the full cache, each layer's demand is the number of keys a
+    decoding query needs to cover `coverage` (0.9) of its attention mass, averaged over heads and queries.
+    The profile is a JSON file; the static budgets are `floor + (L * (C - floor)) * demand_l / sum(demand)`,
+    rounded so the total equals `Uniform`'s (`L * C`). Layer budgets are per row and KV head and use dense
+    per-layer storage.
+
+    Cap at the sequence length (`cap=True`, default): a layer cannot use more tokens than it has seen. When
+    `seen` is below a layer's static budget, that layer's budget is `seen` and the surplus goes to the
+    other layers in proportion to their static budgets (`water_fill`), so the total stays `L * C` (while
+    `L * seen >= L * C`; below that every layer simply holds everything). As `seen` grows the capped layers
+    take their budget back and the others fall to their static budgets. `cap=False`: the static budgets
+    (a layer's unused share is lost). `layer_budgets(L, C)` (used by the checks) returns the static budgets.
 
     Args:
-        profile: path of the JSON profile written by `calibrate_reasoning_wave` (or the dict itself).
+        profile: path of the JSON profile written by `kvcompose calibrate` (or the dict itself), or "auto":
+            the profile shipped with kvcompose for the model (`kvcompose/profiles/`), found when the cache
+            is built by the model's layer and KV-head counts (`methods.reason_alloc(model=...)` matches the
+            model's name and config instead); without one, layers stay uniform (with a warning).
         floor: the smallest layer budget, tokens (int) or a share of the average budget (float, default
             0.25): no layer starves, however flat its measured demand.
+        cap: cap each layer's budget at the tokens seen and give the surplus to the other layers.
     """
 
-    def __init__(self, profile: str | os.PathLike | dict, floor: int | float = 0.25):
+    def __init__(self, profile: str | os.PathLike | dict, floor: int | float = 0.25, cap: bool = True):
         super().__init__()
-        if isinstance(profile, dict):
+        self.auto = isinstance(profile, str) and profile == "auto"
+        self._auto: dict[int, dict[str, Any] | None] = {}
+        if self.auto:
+            data, self.path = None, None
+        elif isinstance(profile, dict):
             data, self.path = profile, None
         else:
             p = Path(profile)
@@ -191,31 +249,96 @@ class ReasoningWave(_PerLayer):
             except json.JSONDecodeError as e:
                 raise KVComposeError(f"ReasoningWave: {p} is not valid JSON ({e})") from None
             self.path = str(p)
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or floor < 0 or (isinstance(floor, float) and floor > 1):
+            raise KVComposeError(f"ReasoningWave: floor must be an int >= 0 or a share in [0, 1], got {floor!r}")
+        self.profile = data
+        self.demand = None if data is None else self._demand_of(data)
+        self.floor = floor
+        self.cap = bool(cap)
+        self._capped: dict[tuple[int, int, int], list[int]] = {}
+
+    @staticmethod
+    def _demand_of(data: Any) -> list[float]:
         demand = data.get("demand") if isinstance(data, dict) else None
         if (not isinstance(demand, list) or not demand
                 or not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in demand)
                 or sum(demand) <= 0):
             raise KVComposeError("ReasoningWave: the profile needs a 'demand' list of non-negative numbers per layer")
-        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or floor < 0 or (isinstance(floor, float) and floor > 1):
-            raise KVComposeError(f"ReasoningWave: floor must be an int >= 0 or a share in [0, 1], got {floor!r}")
-        self.profile = data
-        self.demand = [float(x) for x in demand]
-        self.floor = floor
+        return [float(x) for x in demand]
 
+    # -- the automatic profile ----------------------------------------------------------------------
+    def resolve(self, num_layers: int, num_heads: int | None = None) -> dict[str, Any] | None:
+        """`profile="auto"`: the shipped profile for a model with `num_layers` layers and `num_heads` KV heads
+        (None when there is none, or more than one: layers then stay uniform, with a warning)."""
+        if not self.auto:
+            return self.profile
+        if num_layers not in self._auto:
+            hits = [d for d in shipped_profiles() if _profile_shape(d)[0] == num_layers
+                    and (num_heads is None or _profile_shape(d)[1] in (None, num_heads))]
+            found = hits[0] if len(hits) == 1 else None
+            if found is None:
+                warnings.warn(
+                    f"ReasoningWave(profile='auto'): no shipped ReasoningWave profile for a model with {num_layers} "
+                    f"layers and {num_heads} KV heads ({len(hits)} candidates); layers stay uniform, only the "
+                    "head-wise part of ReasonAlloc runs. Calibrate one with `kvcompose calibrate --model M --data "
+                    "F --out profile.json` and pass profile='profile.json'.", stacklevel=3)
+            self._auto[num_layers] = found
+        return self._auto[num_layers]
+
+    def bind(self, data: dict[str, Any] | None, num_layers: int) -> None:
+        """`profile="auto"` resolved by the caller (e.g. `reason_alloc(model=...)`, by name and config)."""
+        if data is not None:
+            self._demand_of(data)
+        self._auto[num_layers] = data
+        self._memo.clear()
+        self._capped.clear()
+
+    def check(self, pipeline: Any, budget: int | None, num_layers: int, num_heads: int) -> None:
+        self.resolve(num_layers, num_heads)
+        super().check(pipeline, budget, num_layers, num_heads)
+
+    # -- budgets ----------------------------------------------------------------------------------------
     def _budgets(self, num_layers: int, budget: int) -> list[int]:
-        if num_layers != len(self.demand):
+        data = self.resolve(num_layers)
+        if data is None:  # auto without a profile: uniform layers
+            return [budget] * num_layers
+        demand = self._demand_of(data)
+        if num_layers != len(demand):
             raise KVComposeError(
-                f"ReasoningWave: the profile has {len(self.demand)} layers, the model {num_layers}; "
+                f"ReasoningWave: the profile has {len(demand)} layers, the model {num_layers}; "
                 "calibrate it on this model"
             )
         f = max(1, _share(self.floor, budget))
         if f > budget:
             raise KVComposeError(f"ReasoningWave: floor {f} exceeds the average budget {budget}")
         total = num_layers * budget
-        s = sum(self.demand)
-        raw = [f + (total - num_layers * f) * d / s for d in self.demand]
+        s = sum(demand)
+        raw = [f + (total - num_layers * f) * d / s for d in demand]
         return _round_list(raw, total)
 
+    def layer_budget(self, layer_idx: int, num_layers: int, budget: int | None, seen: int) -> int:
+        static = super().layer_budget(layer_idx, num_layers, budget, seen)
+        if not self.cap or seen is None or seen <= 0:
+            return static  # seen unknown (e.g. a caller without a sequence): the static schedule
+        sched = self._schedule(num_layers, budget)
+        if seen >= max(sched):
+            return static
+        key = (num_layers, budget, seen)
+        if key not in self._capped:
+            if len(self._capped) > 4096:
+                self._capped.clear()
+            self._capped[key] = water_fill(sched, seen)
+        return self._capped[key][layer_idx]
+
+    @property
+    def resolved(self) -> bool:
+        """False for `profile="auto"` while no shipped profile was found (uniform layers)."""
+        return not self.auto or any(v is not None for v in self._auto.values())
+
     def __repr__(self) -> str:
-        src = os.path.basename(self.path) if self.path else "dict"
-        return f"ReasoningWave({src!r}, floor={self.floor})"
+        if self.auto:
+            names = sorted({v.get("model", v.get("file", "?")) for v in self._auto.values() if v})
+            src = f"auto: {', '.join(names)}" if names else "auto"
+        else:
+            src = os.path.basename(self.path) if self.path else "dict"
+        return f"ReasoningWave({src!r}, floor={self.floor}, cap={self.cap})"
