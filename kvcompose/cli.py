@@ -7,6 +7,7 @@
     kvcompose bench steptime [--seen 1024 4096 16384]  # step time vs tokens seen; per-layer overhead
     kvcompose bench throughput --kv-memory MIB         # largest batch in a KV budget, tokens/s
     kvcompose bench report DIR          # re-render Markdown + plots from the JSON in DIR
+    kvcompose calibrate --data Q.jsonl --out profile.json   # ReasonAlloc layer profile for a model
     kvcompose methods                   # list the presets
 
 Run `kvcompose <command> --help` for every flag. Without an installed entry point: `python -m kvcompose.cli`.
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--index", type=int, default=0, help="line of --data (or demo question number) to use (default 0)")
     g.add_argument("--method", default="vase", choices=methods, help="preset from kvcompose.methods.PRESETS (default vase)")
     g.add_argument("--budget", type=int, default=128, help="tokens kept per layer and KV head (default 128)")
-    g.add_argument("--interval", type=int, default=64, help="decoded tokens between compression events (default 64)")
+    g.add_argument("--interval", type=int, default=None,
+                   help="decoded tokens between compression events (default: the preset's own: R-KV 128, the others 64)")
     g.add_argument("--max-new-tokens", type=int, default=512, help="maximum new tokens (default 512)")
     g.add_argument("--sample", action="store_true", help="sample (temperature 0.7, top-p 0.95) instead of greedy")
     g.add_argument("--seed", type=int, default=0, help="seed for sampling and random selectors (default 0)")
@@ -76,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trace kinds (default: sampled worked)")
     f.add_argument("--methods", nargs="+", default=methods, choices=methods, help="presets (default: all)")
     f.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512], help="budgets (default 64 128 256 512)")
-    f.add_argument("--interval", type=int, default=64, help="compression interval (default 64)")
+    f.add_argument("--interval", type=int, default=None,
+                   help="compression interval for every method (default: each preset's own: R-KV 128, the others 64)")
     f.add_argument("--short-budgets", nargs="+", type=int, default=[64, 128],
                    help="budgets of the short regime (below the prompt length), scored on the first --short-tokens "
                    "trace tokens (default 64 128)")
@@ -150,6 +153,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = b.add_parser("report", help="re-render Markdown and plots from the JSON in a results folder")
     r.add_argument("dir")
+
+    c = sub.add_parser("calibrate", help="write a ReasonAlloc (ReasoningWave) layer profile for a model",
+                       description="Full-cache reasoning traces of held-out questions, then each layer's attention "
+                       "demand (keys covering --coverage of a decoding query's attention): the JSON profile "
+                       "methods.reason_alloc(profile=...) reads. Defaults reproduce the shipped SmolLM2 profile "
+                       "(GSM8K test questions 1000-1003, 4 sampled traces of 512 tokens).")
+    c.add_argument("--data", default=None, help="JSONL with a 'question' field per line; use questions you do not "
+                   "evaluate on (default: the file named by $KVCOMPOSE_GSM8K)")
+    c.add_argument("--out", required=True, help="where to write the JSON profile")
+    c.add_argument("--n", type=int, default=4, help="questions (default 4)")
+    c.add_argument("--offset", type=int, default=1000, help="first question line (default 1000)")
+    c.add_argument("--new-tokens", type=int, default=512, help="tokens per trace (default 512)")
+    c.add_argument("--kind", default="sampled", choices=["sampled", "greedy", "worked"], help="trace kind (default sampled)")
+    c.add_argument("--seed", type=int, default=1, help="sampling seed of the traces (default 1)")
+    c.add_argument("--coverage", type=float, default=0.9, help="attention mass a layer's keys must cover (default 0.9)")
+    _add_model_flags(c)
 
     sub.add_parser("methods", help="list the method presets and their pipelines")
     return parser
@@ -260,6 +279,32 @@ def generate(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------ calibrate
+def calibrate(args) -> int:
+    """`kvcompose calibrate`: a ReasoningWave profile for a model (`kvcompose.calibration.calibrate`)."""
+    import os
+
+    import torch
+
+    from .bench.data import ENV_GSM8K
+    from .bench.run import load_model
+    from .calibration import calibrate as run_calibration
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data = args.data or os.environ.get(ENV_GSM8K)
+    print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", file=sys.stderr)
+    model, tok = load_model(args.model, args.dtype, args.device)
+    t0 = time.perf_counter()
+    prof = run_calibration(model, tok, data, args.out, n=args.n, offset=args.offset, new_tokens=args.new_tokens,
+                           kind=args.kind, seed=args.seed, coverage=args.coverage, progress=True)
+    demand = prof["demand"]
+    print(f"{prof['model']}: {len(demand)} layers, demand {min(demand):.1f}-{max(demand):.1f} keys "
+          f"(layer {demand.index(max(demand))} the largest), from {prof['calibration']['questions']} in "
+          f"{time.perf_counter() - t0:.0f} s; written to {args.out}")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------ main
 def _bench(args, argv: list[str]) -> int:
     from .bench import run
@@ -319,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             return generate(args)
         if args.command == "bench":
             return _bench(args, argv)
+        if args.command == "calibrate":
+            return calibrate(args)
         if args.command == "methods":
             from .bench.run import make_pipeline
             from .methods import PRESETS

@@ -73,6 +73,20 @@ def _label(engine: str, method: str) -> str:
     return method if engine == "kvcompose" else f"{method} (kvpress)"
 
 
+def _interval_text(cfg: dict[str, Any], rows: list[dict]) -> str:
+    """'compression interval 64', or each preset's own interval when the run did not set one."""
+    if "interval" in cfg and cfg["interval"] is not None:
+        return f"compression interval {cfg['interval']}"
+    if "interval" not in cfg:
+        return "compression interval ?"
+    own: dict[int, list[str]] = {}
+    for r in rows:
+        if r.get("engine") == "kvcompose" and r.get("interval") and r["method"] not in own.get(r["interval"], []):
+            own.setdefault(r["interval"], []).append(r["method"])
+    parts = "; ".join(f"{i}: {', '.join(ms)}" for i, ms in sorted(own.items()))
+    return f"each preset's own compression interval ({parts})" if parts else "each preset's own compression interval"
+
+
 def fidelity_markdown(data: dict[str, Any]) -> str:
     """Tables of a fidelity run: per trace kind a method x budget table of top-1 / KL, then all metrics."""
     rows = [r for r in data["rows"] if "error" not in r]
@@ -80,7 +94,7 @@ def fidelity_markdown(data: dict[str, Any]) -> str:
     cfg = data.get("config", {})
     out.append(f"Model `{cfg.get('model', '?')}`, {cfg.get('n_prompts', '?')} GSM8K prompts "
                f"(offset {cfg.get('offset', 0)}), {cfg.get('new_tokens', '?')} trace tokens each, "
-               f"compression interval {cfg.get('interval', '?')}, dtype {cfg.get('dtype', '?')}.")
+               f"{_interval_text(cfg, rows)}, dtype {cfg.get('dtype', '?')}.")
     if data.get("prompt_lengths"):
         pl = data["prompt_lengths"]
         out.append(f"Prompt lengths (chat template): {min(pl)}-{max(pl)} tokens.")

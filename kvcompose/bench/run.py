@@ -49,9 +49,16 @@ def versions() -> dict[str, str | None]:
 
 
 def make_pipeline(name: str, budget: int | None) -> Pipeline:
-    """The preset `name` at its published defaults, except that the fixed recent window of
-    random_attention and VaSE (64) is capped at budget/4 below budget 256, where 64 recent tokens (plus
-    VaSE's budget/4 value-protected tokens) would fill or overflow the budget."""
+    """The preset `name` at its published defaults (its own compression interval included: R-KV 128,
+    the others 64), except that the fixed recent window of random_attention and VaSE (64) is capped at
+    budget/4 below budget 256, where 64 recent tokens (plus VaSE's budget/4 value-protected tokens) would
+    fill or overflow the budget.
+
+    With random_attention's `random_pp` rule (the first `K - 1` prompt tokens kept, K = budget - recent)
+    the cap decides how a budget below the prompt splits between the head of the prompt and the recent
+    window: at budget 64 it is 47 prompt tokens + 1 drawn + 16 recent, at 128 it is 95 + 1 + 32 (without
+    the cap, budget 64 would leave no room at all and 128 would be 63 + 1 + 64). Either way only one slot
+    is drawn at random while the prompt is longer than K - 1."""
     if name not in _methods.PRESETS:
         raise KVComposeError(f"unknown method {name!r}; presets: {', '.join(_methods.PRESETS)}")
     fn = _methods.PRESETS[name]
@@ -89,7 +96,7 @@ class FidelityConfig:
     kinds: list[str] = field(default_factory=lambda: ["sampled", "worked"])
     methods: list[str] = field(default_factory=lambda: list(COMPRESSING))
     budgets: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
-    interval: int = 64
+    interval: int | None = None  # None: each preset's own (R-KV 128, the others 64)
     short_budgets: list[int] = field(default_factory=lambda: [64, 128])
     short_tokens: int = 512
     seed: int = 0
@@ -164,7 +171,7 @@ def _regime(budget: int | None, prompt_lengths: list[int]) -> str:
 
 
 def _rows(results: dict[tuple[str, int | None, str], list], pipelines: dict, bucket: int,
-          prompt_lengths: list[int]) -> list[dict[str, Any]]:
+          prompt_lengths: list[int], intervals: dict | None = None) -> list[dict[str, Any]]:
     rows = []
     for (m, b, kind), scores in results.items():
         if not scores:
@@ -173,7 +180,8 @@ def _rows(results: dict[tuple[str, int | None, str], list], pipelines: dict, buc
         per_trace = [{"id": t.id, "top1": round(FidelityResult([t]).top1, 5), "kl_mean": round(FidelityResult([t]).kl_mean, 6)}
                      for t in scores]
         rows.append({"engine": "kvcompose", "method": m, "budget": b, "kind": kind, "regime": _regime(b, prompt_lengths),
-                     "pipeline": pipelines.get((m, b), ""), **r, "per_trace": per_trace})
+                     "pipeline": pipelines.get((m, b), ""), "interval": (intervals or {}).get((m, b)), **r,
+                     "per_trace": per_trace})
     return rows
 
 
@@ -212,7 +220,7 @@ def _start_kvpress(cfg: FidelityConfig, traces: list[Trace], model_name: str, ou
     logf = open(out / "kvpress.log", "w")
     proc, cmd = kvpress.start_kvpress(
         cfg.kvpress_python, kp_path, out / "kvpress.json", budgets=cfg.kvpress_budgets or cfg.budgets,
-        presses=cfg.kvpress_presses, interval=cfg.interval, script=cfg.kvpress_script, model_dir=cfg.model,
+        presses=cfg.kvpress_presses, interval=cfg.interval or 64, script=cfg.kvpress_script, model_dir=cfg.model,
         threads=cfg.threads, log=logf)
     if proc is None:
         logf.close()
@@ -233,7 +241,8 @@ def _wait_kvpress(kp: dict[str, Any]) -> tuple[dict | None, str | None]:
     return res
 
 
-def _finish_kvpress(kp: dict[str, Any], cfg: FidelityConfig, results, pipelines, data, out: Path, log) -> list[dict]:
+def _finish_kvpress(kp: dict[str, Any], cfg: FidelityConfig, results, pipelines, data, out: Path, log,
+                    intervals: dict | None = None) -> list[dict]:
     """Wait for kvpress and return its rows plus kvcompose's rows on exactly the same tokens."""
     from . import kvpress
 
@@ -253,12 +262,12 @@ def _finish_kvpress(kp: dict[str, Any], cfg: FidelityConfig, results, pipelines,
         sel = [_truncate(s, n) for s in scores if s.id.split("[:")[0] in ids and len(s.top1) >= n]
         if len(sel) == len(ids):
             same[(m, b, label)] = sel
-    rows = _rows(same, pipelines, cfg.kl_bucket, data["prompt_lengths"]) + rows
+    rows = _rows(same, pipelines, cfg.kl_bucket, data["prompt_lengths"], intervals) + rows
     data["kvpress"] = {k: v for k, v in res.items() if k != "results"}
     data["kvpress"]["command"] = kp["cmd"]
     data["kvpress"]["label"] = label
     data["notes"].append(f"kvpress side by side: kvpress ({kvpress.engine_label(res)}, DecodingPress every "
-                         f"{cfg.interval} steps, one token per forward call) and kvcompose on the same {len(ids)} "
+                         f"{cfg.interval or 64} steps, one token per forward call) and kvcompose on the same {len(ids)} "
                          f"traces, first {n} tokens, each against its own full-cache run.")
     return rows
 
@@ -320,6 +329,7 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
     combos: list[tuple[str, int | None]] = [("full", None)] if "full" in cfg.methods else []
     combos += [(m, b) for m in cfg.methods if m != "full" for b in cfg.budgets]
     pipelines: dict[tuple[str, int | None], str] = {}
+    intervals: dict[tuple[str, int | None], int | None] = {}  # the interval each row ran at
     results: dict[tuple[str, int | None, str], list] = {}
     data: dict[str, Any] = {
         "config": {**cfg.__dict__, "data": data_path, "model": model_name},
@@ -344,13 +354,14 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
                     pipe = make_pipeline(m, b)
                     pipelines[(m, b)] = repr(pipe)
                     cache = KVComposeCache(model, pipe, budget=b, interval=cfg.interval, seed=cfg.seed)
+                    intervals[(m, b)] = cache.interval if pipe.compresses else None
                     tr = short[trace.id] if b in cfg.short_budgets else trace
                     results.setdefault((m, b, trace.kind), []).append(evaluate_trace(model, tr, cache))
                 except Exception as e:  # noqa: BLE001 - one failing method must not lose the others' results
                     errors[(m, b)] = f"{type(e).__name__}: {e}"
                     log(f"{m}@{b} failed on {trace.id}: {errors[(m, b)]}")
             bar.update(1)
-        data["rows"] = _rows(results, pipelines, cfg.kl_bucket, data["prompt_lengths"]) + [
+        data["rows"] = _rows(results, pipelines, cfg.kl_bucket, data["prompt_lengths"], intervals) + [
             {"engine": "kvcompose", "method": m, "budget": b, "kind": "-", "error": e} for (m, b), e in errors.items()]
         data["elapsed_s"] = time.perf_counter() - t_start
         _write(out, data)
@@ -381,7 +392,7 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
 
     # ---- kvpress side by side (started before the main loop when kvpress_parallel)
     if kp is not None:
-        data["rows"] += _finish_kvpress(kp, cfg, results, pipelines, data, out, log)
+        data["rows"] += _finish_kvpress(kp, cfg, results, pipelines, data, out, log, intervals)
     data["elapsed_s"] = time.perf_counter() - t_start
     _write(out, data)
     render(out)

@@ -1,0 +1,58 @@
+"""`kvcompose bench steptime`: step time against tokens seen and the per-layer overhead, on tiny random models."""
+
+import json
+
+import pytest
+import torch
+
+from kvcompose import KVComposeError
+from kvcompose.bench import steptime
+from kvcompose.bench.speed import full_cache
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_fill_reaches_the_seen_count():
+    model = steptime.deep_model(layers=2, width=32)
+    cache = full_cache(model)
+    tok = steptime.fill(model, cache, 70, 32, "sdpa", generator=torch.Generator().manual_seed(0))
+    assert tok.shape == (1, 1) and cache.get_seq_length() == 70
+    with pytest.raises(KVComposeError):
+        steptime.fill(model, cache, 0, 8, "sdpa", generator=torch.Generator())
+
+
+def test_run_steptime_ratios_and_overhead(tmp_path):
+    cfg = steptime.StepTimeConfig(methods=["tova", "streaming_llm"], budget=32, interval=16, seen=[64, 256],
+                                  steps=6, tiny=True, deep_layers=3, deep_width=32, deep_held=32, deep_steps=6,
+                                  out=str(tmp_path))
+    data = steptime.run_steptime(cfg, log=lambda *a: None)
+    sweep = {r["name"]: r for r in data["sweep"]}
+    assert set(sweep) == {"ideal (sliding window 32, sdpa)", "tova", "streaming_llm"}
+    for r in sweep.values():
+        assert "error" not in r, r
+        assert set(r["ratios"]) == {"256"} and r["ratios"]["256"] > 0
+        assert [p["seen"] for p in r["points"]] == [64, 256]
+    # a compressed cache holds about its budget whatever it has seen
+    assert all(32 <= p["held"] < 32 + 16 for p in sweep["tova"]["points"])
+    deep = {r["name"]: r for r in data["deep"]["rows"]}
+    kvc = deep["full (kvcompose)"]
+    assert kvc["vs"] == "DynamicCache (sdpa)" and kvc["held"] == deep["DynamicCache (sdpa)"]["held"]
+    assert "overhead_us_per_layer" in kvc and kvc["ratio"] > 0
+    assert deep["tova"]["vs"].startswith("ideal")
+    saved = json.loads((tmp_path / "steptime.json").read_text())
+    assert saved["sweep"][0]["ratios"] == data["sweep"][0]["ratios"]
+    md = (tmp_path / "steptime.md").read_text()
+    assert "step(256)/step(64)" in md and "Per-layer overhead" in md
+
+
+def test_steptime_rejects_bad_checkpoints(tmp_path):
+    with pytest.raises(KVComposeError):
+        steptime.run_steptime(steptime.StepTimeConfig(seen=[1024], tiny=True, out=str(tmp_path)))
+    with pytest.raises(KVComposeError):
+        steptime.run_steptime(steptime.StepTimeConfig(methods=["nope"], tiny=True, out=str(tmp_path)))

@@ -1,0 +1,69 @@
+"""`kvcompose bench throughput`: batch planning in a KV memory limit and a tiny batched run."""
+
+import json
+
+import pytest
+import torch
+
+from kvcompose import KVComposeError
+from kvcompose.bench import throughput as tp
+from kvcompose.models import tiny_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_bytes_per_token_and_plan():
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
+    per_tok = tp.bytes_per_token(model.config, torch.float32)
+    assert per_tok == 2 * 2 * 2 * 16 * 4  # layers x kv heads x (k + v) x head dim x fp32
+    assert tp.bytes_per_token(model.config, torch.bfloat16) == per_tok // 2
+    full = tp.held_bound("full", 100, 1000, None, None)
+    comp = tp.held_bound("tova", 100, 1000, 256, 64)
+    assert (full, comp) == (1100, 320)
+    assert tp.held_bound("tova", 400, 1000, 256, 64) == 464  # a prompt above the budget is held first
+    mem = 10 * full * per_tok
+    assert tp.plan_batch(mem, per_tok, full) == 10
+    assert tp.plan_batch(mem, per_tok, comp) == 34 > tp.plan_batch(mem, per_tok, full)
+    assert tp.plan_batch(mem, per_tok, comp, max_batch=16) == 16
+    with pytest.raises(KVComposeError):
+        tp.held_bound("tova", 100, 1000, 256, None)
+
+
+def test_batch_prompts_are_left_padded():
+    ids, mask = tp.batch_prompts(4, (5, 11), vocab=128, pad_id=0, seed=0)
+    assert ids.shape == mask.shape == (4, 11)
+    assert mask.sum(-1).tolist() == [5, 7, 9, 11]
+    assert (mask[:, -1] == 1).all() and (ids[mask == 0] == 0).all()
+
+
+def test_run_throughput_compressed_batch_is_larger_and_fits(tmp_path):
+    model = tiny_model("llama", layers=2, vocab=128)
+    cfg = tp.ThroughputConfig(methods=["tova", "streaming_llm"], budget=16, interval=8, kv_memory_mib=0.25,
+                              new_tokens=48, prompt_lengths=(6, 14), max_batch=24, out=str(tmp_path))
+    data = tp.run_throughput(cfg, log=lambda *a: None, model_and_tokenizer=(model, None))
+    rows = {r["method"]: r for r in data["rows"]}
+    assert set(rows) == {"full", "tova", "streaming_llm"}
+    assert rows["tova"]["batch"] > rows["full"]["batch"] >= 1
+    for r in rows.values():
+        assert r["error"] is None and r["fits"], r
+        assert r["peak_alloc_bytes"] <= data["kv_memory_bytes"]
+        assert r["steps"] == 48 and r["tokens_per_s"] > 0
+    assert rows["full"]["vs_full"] == 1.0 and rows["tova"]["batch_vs_full"] > 1
+    assert json.loads((tmp_path / "throughput.json").read_text())["rows"][1]["batch"] == rows["tova"]["batch"]
+    assert (tmp_path / "throughput.png").stat().st_size > 1000
+    assert "| tova |" in (tmp_path / "throughput.md").read_text()
+
+
+def test_throughput_refuses_what_does_not_fit(tmp_path):
+    model = tiny_model("llama", layers=2, vocab=128)
+    with pytest.raises(KVComposeError, match="does not hold one full-cache sequence"):
+        tp.run_throughput(tp.ThroughputConfig(methods=["tova"], budget=16, interval=8, kv_memory_mib=0.001,
+                                              new_tokens=48, out=str(tmp_path)), model_and_tokenizer=(model, None))
+    with pytest.raises(KVComposeError):
+        tp.run_throughput(tp.ThroughputConfig(methods=["full"], out=str(tmp_path)), model_and_tokenizer=(model, None))
