@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from .compat import ASSISTED_MESSAGE, SUPPORTED_FEATURES, in_assisted_generation
+from .compat import ASSISTED_MESSAGE, SUPPORTED_FEATURES, in_assisted_generation, no_trace
 from .view import KVComposeError
 
 __all__ = [
@@ -71,6 +71,8 @@ _IGNORED_KWARGS = frozenset({
     "position_ids", "cache_position", "use_cache", "position_embeddings", "past_key_values", "cache",
     "output_router_logits", "token_type_ids", "layer_idx",
 })
+_KNOWN_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal", "output_attentions"})
+_unknown_kwargs: dict[frozenset, list[str]] = {}  # argument names seen -> the unknown ones (checked once)
 _CACHE_LOCALS = ("past_key_values", "cache")  # the cache argument's name in transformers' mask builders
 
 
@@ -462,9 +464,11 @@ def _kvcompose_call(layer, module, query, attention_mask, kwargs):
         raise KVComposeError("bidirectional (non-causal) attention is not supported with a kvcompose cache")
     if kwargs.get("output_attentions"):
         raise KVComposeError("output_attentions is not supported with a kvcompose cache")
-    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _IGNORED_KWARGS
-                     and k not in ("dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal",
-                                   "output_attentions"))
+    names = frozenset(k for k, v in kwargs.items() if v is not None)
+    unknown = _unknown_kwargs.get(names)
+    if unknown is None:
+        unknown = sorted(names - _IGNORED_KWARGS - _KNOWN_KWARGS)
+        _unknown_kwargs[names] = unknown
     if unknown:
         raise KVComposeError(
             f"{type(module).__name__} passes attention arguments kvcompose does not implement: {unknown}; "
@@ -492,7 +496,7 @@ def _kvcompose_call(layer, module, query, attention_mask, kwargs):
     return out, None
 
 
-@torch.compiler.disable  # kvcompose's bookkeeping is never traced: under torch.compile it runs eagerly
+@no_trace  # kvcompose's bookkeeping is never traced: under torch.compile it runs eagerly
 def kvcompose_attention(module, query, key, value, attention_mask, **kwargs):
     """The registered attention function (transformers' attention interface signature).
 
@@ -533,7 +537,7 @@ def _caller_cache() -> tuple[object, bool]:
     return None, False
 
 
-@torch.compiler.disable  # reads the caller's frame; never traced (graph break, runs eagerly)
+@no_trace  # reads the caller's frame; never traced (graph break, runs eagerly)
 def kvcompose_mask(*args, **kwargs):
     """The registered mask function: the 2-D padding mask for a kvcompose cache, else exactly the mask of
     the model's previous implementation (any transformers mask-interface signature)."""

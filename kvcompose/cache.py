@@ -31,7 +31,7 @@ __all__ = ["KVComposeCache", "MemoryReport", "CacheStats", "check_model", "check
 
 DEFAULT_INTERVAL = 64
 LIMIT = 2**31  # budgets and intervals beyond this are refused (no memory is reserved ahead, but indices are int32)
-_no_trace = torch.compiler.disable  # cache bookkeeping is never traced: under torch.compile it runs eagerly
+_no_trace = compat.no_trace  # cache bookkeeping is never traced: under torch.compile it runs eagerly
 
 
 @dataclass
@@ -195,6 +195,7 @@ class KVComposeCache(Cache):
 
     @_no_trace
     def get_seq_length(self, *args, **kwargs) -> int:
+        _attn.check_consumed(self)  # generate asks before every step: a layer whose attention never ran raises
         return super().get_seq_length(*args, **kwargs)
 
     @_no_trace

@@ -29,7 +29,7 @@ from .view import KVComposeError
 __all__ = [
     "MIN_TRANSFORMERS", "MAX_TRANSFORMERS", "TESTED_TRANSFORMERS", "TESTED_MODEL_TYPES", "transformers_version",
     "check_transformers", "query_length", "forward_cache", "cache_argument", "output_cache",
-    "in_assisted_generation", "ASSISTED_MESSAGE", "LayerAttention", "ModelAttention", "check_model",
+    "in_assisted_generation", "ASSISTED_MESSAGE", "no_trace", "LayerAttention", "ModelAttention", "check_model",
 ]
 
 SUPPORTED_FEATURES = frozenset({"softcap", "sinks"})
@@ -90,6 +90,28 @@ def check_transformers(version: str | None = None) -> tuple[int, ...]:
     if v[:2] >= MAX_TRANSFORMERS:
         warnings.warn(f"kvcompose is tested with transformers>={lo},<{hi}; found {version}", stacklevel=2)
     return v
+
+
+# ------------------------------------------------------------------------------------------------------
+# torch.compile
+# ------------------------------------------------------------------------------------------------------
+def no_trace(fn):
+    """Run `fn` eagerly under `torch.compile` (a graph break: dynamo never traces kvcompose's bookkeeping),
+    at the cost of one `is_compiling()` check in eager mode (`torch.compiler.disable`'s own wrapper costs tens
+    of microseconds per call, which a decode step pays once per layer)."""
+    import functools
+
+    import torch
+
+    disabled = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 # ------------------------------------------------------------------------------------------------------

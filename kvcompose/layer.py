@@ -27,6 +27,7 @@ from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
 from . import attention as _attn
+from .compat import no_trace
 from .allocators import layer_budget as _layer_budget
 from .kernels import paged_decode_attention, select_backend
 from .pipeline import Pipeline, Selection
@@ -38,7 +39,7 @@ from .view import FAR_POSITION, AttentionStep, KVComposeError, LayerSpec, LayerV
 
 __all__ = ["ComposeLayer", "Segment", "QueryRing", "CoreConfig", "CacheStats", "check_incoming"]
 
-_no_trace = torch.compiler.disable  # the cache's bookkeeping is never traced: under torch.compile it runs eagerly
+_no_trace = no_trace  # the cache's bookkeeping is never traced: under torch.compile it runs eagerly
 
 
 def check_incoming(layer: "ComposeLayer", key_states: Tensor, hint: str = "") -> None:
@@ -88,8 +89,8 @@ class ComposeLayer(CacheLayerMixin):
         self.segment = Segment(0)
         self.generator: torch.Generator | None = None
         self.scale: float | None = None
-        self.peak_held_bytes = 0
-        self.peak_alloc_bytes = 0
+        self._peak_held = 0
+        self._peak_alloc = 0
         self._merged: Merged | None = None
         self.is_initialized = False
 
@@ -113,7 +114,7 @@ class ComposeLayer(CacheLayerMixin):
         return [self.segment]
 
     def write_segment(self) -> Segment:
-        return self.path()[-1]
+        return self.segment
 
     def scheduled(self) -> bool:
         """Whether the write segment follows the compression schedule (sliding-window layers only keep
@@ -217,9 +218,11 @@ class ComposeLayer(CacheLayerMixin):
         if seg.store is None:
             self.open(seg)
         start = seg.start + seg.n
-        seg.store.append(key_states, value_states, torch.arange(start, start + q, device=self.device))
+        if isinstance(seg.store, DenseStore):  # positions written only when a view needs them
+            seg.store.append(key_states, value_states, None, start=start)
+        else:
+            seg.store.append(key_states, value_states, torch.arange(start, start + q, device=self.device))
         seg.n += q
-        self._track_peak()
         return key_states, value_states
 
     # -- attention ------------------------------------------------------------------------------------
@@ -247,22 +250,33 @@ class ComposeLayer(CacheLayerMixin):
         self.scale = scale
         if query.shape[1] % self.num_heads:
             raise KVComposeError(f"{query.shape[1]} query heads are not a multiple of {self.num_heads} KV heads")
-        pipe = self.config.pipeline
+        cfg = self.config
+        pipe = cfg.pipeline
         seg = self.write_segment()
-        qpos = torch.arange(self.seen - q, self.seen, device=self.device)
-        qvalid = None
-        if mask2d is not None:
-            nv = mask2d[:, -q:].to(device=self.device, dtype=torch.bool)
-            if self._has_padding(mask2d, nv):
-                seg.store.set_tail_valid(nv)
-                qvalid = nv
+        seen = seg.start + seg.n
+        pad = mask2d is not None and self._has_padding(mask2d, q)
+        if pad:
+            seg.store.set_tail_valid(mask2d[:, -q:].to(device=self.device, dtype=torch.bool))
         w = pipe.query_window if self.sliding_window is None else 0
+        observers = bool(pipe.observers) and cfg.observe and self.sliding_window is None
+        path = self.path()
+        if (q == 1 and w == 0 and len(path) == 1 and not observers and not seg.store.ragged and not features
+                and type(seg.store) is DenseStore and not (pipe.tier.holds_tokens and seg.tier)
+                and (sliding_window is None or seen <= sliding_window)):
+            # the common decode step: one new token that sees every held key, nothing else to do
+            keys, values = seg.store.kv()
+            out = _attn.attend(query, keys, values, None, scale)
+            if self.scheduled():
+                self._schedule(q)
+            elif self.sliding_window is not None:
+                self._keep_window(seg)
+            return out
+        qpos = torch.arange(seen - q, seen, device=self.device)
         if w > 0:
-            if qvalid is None:
-                qvalid = torch.ones(query.shape[0], q, dtype=torch.bool, device=self.device)
+            qvalid = (mask2d[:, -q:].to(device=self.device, dtype=torch.bool) if pad
+                      else torch.ones(query.shape[0], q, dtype=torch.bool, device=self.device))
             seg.ring.record(query, qpos, qvalid, w)
-        observers = bool(pipe.observers) and self.config.observe and self.sliding_window is None
-        segs = [s for s in self.path() if s.store is not None and s.store.held]
+        segs = [s for s in path if s.store is not None and s.store.held]
         parts = [self._segment_set(s, observers) for s in segs]
         keys, values = _cat([p[0].keys for p in parts]), _cat([p[0].values for p in parts])
         pos, valid = _cat([p[0].positions for p in parts]), _cat([p[0].valid for p in parts])
@@ -290,14 +304,14 @@ class ComposeLayer(CacheLayerMixin):
         self._merged = None  # fetched copies are not kept between steps
         return out
 
-    def _has_padding(self, mask2d: Tensor, new_valid: Tensor) -> bool:
-        """Whether the new tokens include padding; checked once per forward (one host sync per step, not
+    def _has_padding(self, mask2d: Tensor, q: int) -> bool:
+        """Whether the q new tokens include padding; checked once per forward (one host sync per step, not
         one per layer): every layer of a forward receives the same 2-D mask."""
-        key = (mask2d.data_ptr(), tuple(mask2d.shape), self.seen)
+        key = (mask2d.data_ptr(), mask2d.shape, self.seen)
         cached = self.config.step_padding
         if self.layer_idx > 0 and cached is not None and cached[0] == key:  # layer 0 starts every forward
             return cached[1]
-        out = not bool(new_valid.all())
+        out = not bool(mask2d[:, -q:].all())
         self.config.step_padding = (key, out)
         return out
 
@@ -327,6 +341,7 @@ class ComposeLayer(CacheLayerMixin):
         store = seg.store
         if store.held < w - 1 + self.config.interval:
             return
+        self._track_peak()
         pos = store.view().positions
         keep = pos >= self.seen - (w - 1)
         t = keep.shape[-1]
@@ -421,6 +436,7 @@ class ComposeLayer(CacheLayerMixin):
             budget = self.layer_budget(seg.start + seg.n)
         if budget is None:
             raise KVComposeError(f"layer {self.layer_idx}: compressing needs a budget")
+        self._track_peak()  # the peak is reached just before a compaction
         view, channels, merged = self.view(seg, rows)
         sel, seg.blocks = pipe.select(view, budget, seg.blocks, channels)
         kept = sel.kept
@@ -583,6 +599,18 @@ class ComposeLayer(CacheLayerMixin):
         return out
 
     def _track_peak(self) -> None:
-        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes())
-        self.peak_alloc_bytes = max(self.peak_alloc_bytes, self.allocated_bytes())
+        """Note the bytes held and allocated now. Both only grow between compaction events, so noting them
+        before every compaction (and reading the current ones) gives the exact peaks without a per-step cost."""
+        self._peak_held = max(self._peak_held, self.held_bytes())
+        self._peak_alloc = max(self._peak_alloc, self.allocated_bytes())
+
+    @property
+    def peak_held_bytes(self) -> int:
+        """The most K/V bytes this layer held on the device at any time."""
+        return max(self._peak_held, self.held_bytes())
+
+    @property
+    def peak_alloc_bytes(self) -> int:
+        """The most bytes of device buffers this layer had at any time."""
+        return max(self._peak_alloc, self.allocated_bytes())
 

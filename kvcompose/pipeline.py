@@ -137,6 +137,7 @@ class Pipeline:
             c += n
         self.channels = c
         self.observers = [i for i, leaf in enumerate(self.leaves) if isinstance(leaf, Observer)]
+        self._query_window = max([b.query_window for b in (*self.parts, *self.leaves, self.tier)], default=0)
 
     # -- properties -------------------------------------------------------------------------------
     @property
@@ -147,7 +148,7 @@ class Pipeline:
     @property
     def query_window(self) -> int:
         """How many recent queries per layer the blocks need (the layer's ring-buffer size)."""
-        return max([b.query_window for b in (*self.parts, *self.leaves, self.tier)], default=0)
+        return self._query_window
 
     @property
     def paged(self) -> bool:

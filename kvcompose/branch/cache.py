@@ -481,6 +481,7 @@ class BranchCache(Cache):
             self.rehydrate()
 
     def _after_forward(self) -> None:
+        _attn.check_consumed(self)  # a layer whose attention never ran (implementation switched) raises now
         if self._recompute_path is not None:
             return
         self._incoming = {}

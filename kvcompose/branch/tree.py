@@ -11,6 +11,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from ..compat import no_trace
 from ..layer import ComposeLayer, CoreConfig, Segment, check_incoming
 from ..view import KVComposeError
 
@@ -126,10 +127,13 @@ class BranchLayer(ComposeLayer):
     def path(self) -> list[Segment]:
         return [node.segs[self.layer_idx] for node in self.tree._path()]
 
+    def write_segment(self) -> Segment:
+        return self.tree._path()[-1].segs[self.layer_idx]
+
     def scheduled(self) -> bool:
         return super().scheduled() and self.config.budget is not None
 
-    @torch.compiler.disable
+    @no_trace
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Append the new tokens to the active branch's node and hand this layer to the attention function."""
         tree = self.tree

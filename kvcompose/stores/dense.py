@@ -53,8 +53,12 @@ class DenseStore:
         self._valid = torch.empty(batch, heads, cap, dtype=torch.bool, device=self.device)
         self._ch = torch.empty(batch, heads, cap, channels, dtype=torch.float32, device=self.device)
         self._n = 0
+        self._m = 0  # slots whose positions and padding flags are written; the rest are implicit:
+        self._tail_pos = 0  # slot m + i is at position tail_pos + i and is a real token (written on demand)
         self._padding = False
         self.resizes = 0
+        self._slot_bytes = batch * heads * (head_dim + value_dim) * self._k.element_size()
+        self._view: StoreView | None = None  # memoised until the next change
 
     # -- sizes ----------------------------------------------------------------------------------------
     @property
@@ -73,14 +77,11 @@ class DenseStore:
     def ragged(self) -> bool:
         return self._padding
 
-    def _bytes_per_slot(self) -> int:
-        return self.batch * self.heads * (self.head_dim + self.value_dim) * self._k.element_size()
-
     def nbytes(self) -> int:
-        return self._n * self._bytes_per_slot()
+        return self._n * self._slot_bytes
 
     def allocated_bytes(self) -> int:
-        return self.capacity * self._bytes_per_slot()
+        return self.capacity * self._slot_bytes
 
     def _resize(self, cap: int) -> None:
         n = self._n
@@ -93,6 +94,7 @@ class DenseStore:
         self._k, self._v, self._pos, self._valid, self._ch = map(move, (self._k, self._v, self._pos, self._valid,
                                                                          self._ch))
         self.resizes += 1
+        self._view = None
 
     def _reserve(self, need: int) -> None:
         cap = self.capacity
@@ -113,10 +115,31 @@ class DenseStore:
         if self.target and self.capacity > self.target >= self._n:
             self._resize(self.target)
 
+    def _materialize(self) -> None:
+        """Write the positions and padding flags of the implicit tail (appended in one run, no padding)."""
+        m, n = self._m, self._n
+        if m < n:
+            self._pos.narrow(2, m, n - m).copy_(
+                torch.arange(self._tail_pos, self._tail_pos + n - m, device=self.device).expand(
+                    self.batch, self.heads, n - m))
+            self._valid.narrow(2, m, n - m).fill_(True)
+            self._m = n
+
     # -- reading --------------------------------------------------------------------------------------
     def view(self) -> StoreView:
+        if self._view is None:
+            self._materialize()
+            n = self._n
+            self._view = StoreView(self._k.narrow(2, 0, n), self._v.narrow(2, 0, n), self._pos.narrow(2, 0, n),
+                                   self._valid.narrow(2, 0, n))
+        return self._view
+
+    def kv(self) -> tuple[Float[Tensor, "B H T D"], Float[Tensor, "B H T Dv"]]:
+        """The held keys and values only (what an unmasked decode step needs)."""
+        if self._view is not None:
+            return self._view.keys, self._view.values
         n = self._n
-        return StoreView(self._k[:, :, :n], self._v[:, :, :n], self._pos[:, :, :n], self._valid[:, :, :n])
+        return self._k.narrow(2, 0, n), self._v.narrow(2, 0, n)
 
     def read_channels(self) -> Float[Tensor, "B H T C"]:
         return self._ch[:, :, : self._n]
@@ -126,27 +149,44 @@ class DenseStore:
 
     # -- mutation -------------------------------------------------------------------------------------
     def append(self, keys: Float[Tensor, "B H Q D"], values: Float[Tensor, "B H Q Dv"],
-               positions: Int[Tensor, " Q"], valid: Bool[Tensor, "B Q"] | None = None) -> None:
+               positions: Int[Tensor, " Q"] | None, valid: Bool[Tensor, "B Q"] | None = None,
+               start: int | None = None) -> None:
+        """Append Q new tokens at `positions` (or `start, start + 1, ...`: then, when they follow the previous
+        append and have no padding, their positions and padding flags are written only when a view needs
+        them)."""
+        if positions is None and start is None:
+            raise KVComposeError("DenseStore.append needs positions or start")
         q = keys.shape[2]
-        need = self._n + q
+        n = self._n
+        need = n + q
         self._reserve(need)
-        sl = slice(self._n, need)
-        self._k[:, :, sl] = keys
-        self._v[:, :, sl] = values
-        self._pos[:, :, sl] = positions
-        if valid is None:
-            self._valid[:, :, sl] = True
+        self._k.narrow(2, n, q).copy_(keys)
+        self._v.narrow(2, n, q).copy_(values)
+        if valid is None and start is not None and (self._m == n or start == self._tail_pos + n - self._m):
+            if self._m == n:
+                self._tail_pos = start
         else:
-            self._valid[:, :, sl] = valid[:, None, :]
-            self._padding = self._padding or not bool(valid.all())
+            self._materialize()
+            if positions is None:
+                positions = torch.arange(start, start + q, device=self.device)
+            self._pos.narrow(2, n, q).copy_(positions.expand(self.batch, self.heads, q))
+            if valid is None:
+                self._valid.narrow(2, n, q).fill_(True)
+            else:
+                self._valid.narrow(2, n, q).copy_(valid[:, None, :].expand(self.batch, self.heads, q))
+                self._padding = self._padding or not bool(valid.all())
+            self._m = need
         if self.channels:
-            self._ch[:, :, sl] = 0
+            self._ch.narrow(2, n, q).zero_()
         self._n = need
+        self._view = None
 
     def set_tail_valid(self, valid: Bool[Tensor, "B Q"]) -> None:
         q = valid.shape[1]
+        self._materialize()
         self._valid[:, :, self._n - q : self._n] = valid[:, None, :]
         self._padding = self._padding or not bool(valid.all())
+        self._view = None
 
     def compact(self, kept: Int[Tensor, "B H K"]) -> None:
         k = kept.shape[-1]
@@ -156,8 +196,10 @@ class DenseStore:
                 "an allocator with uniform = False (per-head budgets live in paged storage)"
             )
         n = self._n
+        self._materialize()
         if k == 0:
-            self._n, self._padding = 0, False
+            self._n = self._m = 0
+            self._padding, self._view = False, None
             return
         _compact_kernel(self._k[:, :, :n], self._v[:, :, :n], kept, out_keys=self._k[:, :, :k],
                         out_values=self._v[:, :, :k])
@@ -165,8 +207,9 @@ class DenseStore:
         self._valid[:, :, :k] = self._valid[:, :, :n].gather(-1, kept)
         if self.channels:
             self._ch[:, :, :k] = self._ch[:, :, :n].gather(2, kept[..., None].expand(*kept.shape, self.channels))
-        self._n = k
+        self._n = self._m = k
         self._padding = self._padding and not bool(self._valid[:, :, :k].all())
+        self._view = None
 
     def assign(self, view: StoreView, channels: Float[Tensor, "B H T C"] | None,
                lengths: Int[Tensor, "B H"]) -> None:
@@ -177,7 +220,7 @@ class DenseStore:
                 "an allocator with uniform = False (per-head budgets live in paged storage)"
             )
         if k > self.capacity:
-            self._n = 0
+            self._n = self._m = 0
             self._resize(max(k, self.target))
         self._k[:, :, :k] = view.keys[:, :, :k]
         self._v[:, :, :k] = view.values[:, :, :k]
@@ -185,18 +228,24 @@ class DenseStore:
         self._valid[:, :, :k] = view.valid[:, :, :k]
         if self.channels and channels is not None:
             self._ch[:, :, :k] = channels[:, :, :k]
-        self._n = k
+        self._n = self._m = k
         self._padding = not bool(self._valid[:, :, :k].all())
+        self._view = None
 
     def crop(self, n: int) -> None:
         if n > self._n:
             raise KVComposeError(f"cannot crop {n} tokens: the store holds {self._n}")
         self._n -= n
+        self._m = min(self._m, self._n)
+        self._view = None
 
     def map_rows(self, fn: Callable[[Tensor], Tensor]) -> None:
+        self._materialize()
         self._k, self._v, self._pos, self._valid, self._ch = map(fn, (self._k, self._v, self._pos, self._valid,
                                                                        self._ch))
         self.batch = self._k.shape[0]
+        self._slot_bytes = self.batch * self.heads * (self.head_dim + self.value_dim) * self._k.element_size()
+        self._view = None
 
     def __repr__(self) -> str:
         return f"DenseStore(held={self._n}, capacity={self.capacity}, target={self.target})"
