@@ -104,10 +104,15 @@ def no_trace(fn):
     import torch
 
     disabled = torch.compiler.disable(fn)
+    try:  # dynamo's frame hook: set while a compiled function runs, including the eager parts after a graph break
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except ImportError:  # pragma: no cover - older torch
+        def get_eval_frame_callback():
+            return True
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or get_eval_frame_callback() not in (None, False):
             return disabled(*args, **kwargs)
         return fn(*args, **kwargs)
 

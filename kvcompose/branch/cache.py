@@ -179,6 +179,8 @@ class BranchCache(Cache):
         self.priority = priority
         self._values: dict[int, float] = {}
         self.num_layers = config.num_hidden_layers
+        self._kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        self._fit_cache: dict[int, bool] = {}
         self.stats = CacheStats()
         observe = budget is not None or scorer is not None or active_budget is not None
         self.core = CoreConfig(pipeline=pipeline, budget=active_budget,
@@ -555,8 +557,27 @@ class BranchCache(Cache):
         return out
 
     def _keep_target(self, node: _Node) -> int:
-        """Tokens a compressed node keeps on the device (per layer, row and KV head)."""
-        return max(self.min_keep, math.ceil(self.keep * node.n))
+        """Tokens a compressed node keeps on the device (per layer, row and KV head): `ceil(keep * n)`, at
+        least `min_keep` and at least what the pipeline's fixed-count protectors keep."""
+        k = max(self.min_keep, math.ceil(self.keep * node.n))
+        while k < node.n and not self._fits(k):
+            k += 1
+        return k
+
+    def _fits(self, k: int) -> bool:
+        """True when the pipeline can compress a node to `k` tokens: the fixed-count protectors fit, and so do
+        the allocator's per-layer and per-head shares of `k` (e.g. `HeadUtility`'s floor per head)."""
+        fits = self._fit_cache.get(k)
+        if fits is None:
+            fits = self.pipeline.fixed_protection(k) <= k
+            if fits:
+                try:
+                    self.pipeline.allocator.check(self.pipeline.replace(Evict(), name=self.pipeline.name), k,
+                                                  self.num_layers, self._kv_heads)
+                except KVComposeError:
+                    fits = False
+            self._fit_cache[k] = fits
+        return fits
 
     def compression_order(self) -> list[int]:
         """Ids of the inactive nodes that can still be compressed, in the order the budget would compress
