@@ -1,9 +1,11 @@
 """Fidelity to the full cache of budget allocators at equal total KV bytes (docs/allocation.md).
 
-Uniform, Pyramid, ReasoningWave+HeadUtility (ReasonAlloc) and GrowPage, all over R-KV scoring (the
-ReasonAlloc paper's comparison), at several average budgets per layer and KV head. Every method's total is
-`num_layers * heads * budget` tokens per row (GrowPage: its global cap, it may use less). Reference traces
-are sampled with the full cache (`kvcompose.bench.fidelity.make_traces`) and teacher-forced through each
+Uniform, Pyramid, ReasoningWave+HeadUtility (ReasonAlloc; the wave capped at the tokens seen, and uncapped)
+and HeadUtility alone, over R-KV scoring (the ReasonAlloc paper's comparison), plus Uniform and ReasonAlloc
+over SnapKV scoring, at several average budgets per layer and KV head. Every method's total is
+`num_layers * heads * budget` tokens per row. (GrowPage, triggered by page fills, is measured token by
+token in a batch by `benchmarks/growpage_batch.py`; `--methods "GrowPage (R-KV)"` still runs it here,
+chunked.) Reference traces are sampled with the full cache (`kvcompose.bench.fidelity.make_traces`) and teacher-forced through each
 cache in chunks of the compression interval (`evaluate`), which equals one-token decoding.
 
 The ReasoningWave profile is calibrated first (if `--profile` does not exist) on *other* GSM8K questions
@@ -26,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvcompose import KVComposeCache, methods  # noqa: E402
-from kvcompose.calibration import calibrate_reasoning_wave  # noqa: E402
+from kvcompose.calibration import calibrate  # noqa: E402
 from kvcompose.bench.fidelity import Trace, evaluate, load_questions, make_traces  # noqa: E402
 from kvcompose.models import load_default_model  # noqa: E402
 
@@ -34,9 +36,19 @@ METHODS = {
     "Uniform (R-KV)": lambda profile: methods.rkv(),
     "Pyramid (R-KV)": lambda profile: methods.pyramid_rkv(methods.rkv()),
     "ReasoningWave+HeadUtility (R-KV)": lambda profile: methods.reason_alloc(methods.rkv(), profile=profile),
-    "HeadUtility only (R-KV)": lambda profile: methods.reason_alloc(methods.rkv()),
+    "ReasoningWave uncapped+HeadUtility (R-KV)": lambda profile: methods.reason_alloc(methods.rkv(), profile=profile,
+                                                                                       cap=False),
+    "HeadUtility only (R-KV)": lambda profile: methods.reason_alloc(methods.rkv(), profile=None),
+    "Uniform (SnapKV)": lambda profile: methods.snapkv(),
+    # SnapKV protects its 32-query window: every head's floor must hold it (32 tokens, not 25% of small layers)
+    "ReasoningWave+HeadUtility (SnapKV)": lambda profile: methods.reason_alloc(methods.snapkv(), profile=profile,
+                                                                                floor=32),
+    "HeadUtility only (SnapKV)": lambda profile: methods.reason_alloc(methods.snapkv(), profile=None, floor=32),
+    # GrowPage is triggered by page fills, not by the 64-token chunks of this harness: measured token by token
+    # in a left-padded batch by benchmarks/growpage_batch.py instead (still selectable here)
     "GrowPage (R-KV)": lambda profile: methods.growpage(methods.rkv()),
 }
+DEFAULT_METHODS = [m for m in METHODS if not m.startswith("GrowPage")]
 
 
 def alloc_state(cache: KVComposeCache, layer) -> dict:
@@ -79,12 +91,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kind", default="sampled", choices=["sampled", "greedy", "worked"])
     ap.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512])
     ap.add_argument("--interval", type=int, default=64, help="decoded tokens between compression events")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
     ap.add_argument("--extra-uniform", type=int, nargs="*", default=[],
                     help="more Uniform budgets, to compare methods that hold less than their cap at matched memory")
+    ap.add_argument("--extra-method", default="Uniform (R-KV)", choices=list(METHODS),
+                    help="the method run at the --extra-uniform budgets")
     ap.add_argument("--traces", default=None, help="JSON file of reference traces: loaded if it exists, else written")
-    ap.add_argument("--profile", default="benchmarks/profiles/smollm2-135m-reasoning-wave.json",
-                    help="ReasoningWave profile (calibrated and written here if missing)")
+    ap.add_argument("--profile", default="kvcompose/profiles/smollm2-135m-instruct.json",
+                    help="ReasoningWave profile (calibrated and written here if missing; default: the one shipped "
+                    "with kvcompose, made by `kvcompose calibrate` with its defaults)")
     ap.add_argument("--calib-n", type=int, default=4, help="calibration questions")
     ap.add_argument("--calib-offset", type=int, default=1000, help="first calibration question (not evaluated)")
     ap.add_argument("--calib-tokens", type=int, default=512)
@@ -99,12 +114,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"model loaded in {time.time() - t0:.1f}s", flush=True)
 
     if not os.path.exists(args.profile):
-        calib = load_questions(args.data, args.calib_n, args.calib_offset)
-        ctr = make_traces(model, tok, calib, new_tokens=args.calib_tokens, kind=args.kind, seed=args.seed + 1)
         t = time.time()
-        calibrate_reasoning_wave(model, [c.prompt_ids for c in ctr], args.profile,
-                                 traces=[c.trace_ids for c in ctr], coverage=0.9)
-        print(f"calibrated {args.profile} on {len(ctr)} traces in {time.time() - t:.1f}s", flush=True)
+        calibrate(model, tok, args.data, args.profile, n=args.calib_n, offset=args.calib_offset,
+                  new_tokens=args.calib_tokens, kind=args.kind, seed=args.seed + 1, coverage=0.9)
+        print(f"calibrated {args.profile} on {args.calib_n} traces in {time.time() - t:.1f}s", flush=True)
     with open(args.profile) as f:
         profile = json.load(f)
 
@@ -127,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     kv_bytes_per_layer_token = cfg.num_key_value_heads * 2 * head_dim * next(model.parameters()).element_size()
     tracker = HeldTracker(model)
     runs = [(b, name) for b in args.budgets for name in args.methods]
-    runs += [(b, "Uniform (R-KV)") for b in args.extra_uniform]
+    runs += [(b, args.extra_method) for b in args.extra_uniform]
     for budget, name in runs:
         def make_cache(name=name, budget=budget):
             return KVComposeCache(model, METHODS[name](args.profile), budget=budget, interval=args.interval)
@@ -144,9 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
         if hasattr(alloc, "cap_pages"):  # GrowPage: pages held at the end of each trace vs the cap
             states = [alloc_state(c, layer) for c in tracker.caches for layer in c.layers]
             pages = [int(st["pages"].sum()) for st in states if "pages" in st]
-            heads = tracker.caches[0].layers[0].num_heads if tracker.caches else 1
-            row["growpage_mean_tokens_per_head_end"] = (sum(pages) / len(pages) * alloc.page_size / heads
-                                                        if pages else None)
+            row["growpage_mean_tokens_per_head_end"] = sum(pages) / len(pages) * alloc.page_size if pages else None
             row["growpage_granted"] = sum(st.get("granted", 0) for st in states)
             row["growpage_denied"] = sum(st.get("denied", 0) for st in states)
             row["growpage_returned"] = sum(st.get("returned", 0) for st in states)

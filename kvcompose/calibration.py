@@ -3,6 +3,12 @@ on sample reasoning traces and write the JSON profile `kvcompose.allocators.Reas
 
 ReasonAlloc (abstract only, no public code): layer budgets follow a calibrated demand profile; shallow layers
 need much context, middle layers less, deep layers more again.
+
+One command does it for a model (`kvcompose calibrate --model M --data questions.jsonl --out profile.json`),
+the same as `calibrate(model, tokenizer, "questions.jsonl", "profile.json")`: sampled full-cache reasoning
+traces of held-out questions, then `calibrate_reasoning_wave`. A profile records the model's name and
+architecture (`model_fingerprint`); `find_profile(model)` finds a shipped one (`kvcompose/profiles/`), which
+`methods.reason_alloc(profile="auto")` uses.
 """
 
 from __future__ import annotations
@@ -17,11 +23,67 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .allocators import PROFILE_KIND, Allocator
+from .allocators.layers import shipped_profiles
 from .cache import KVComposeCache
 from .pipeline import Pipeline
 from .view import KVComposeError
 
-__all__ = ["calibrate_reasoning_wave", "coverage_count"]
+__all__ = ["calibrate_reasoning_wave", "calibrate", "coverage_count", "model_id", "model_fingerprint",
+           "find_profile"]
+
+
+FINGERPRINT_KEYS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
+                    "head_dim", "intermediate_size", "vocab_size")
+
+
+def _text_config(model_or_config: Any) -> Any:
+    config = getattr(model_or_config, "config", model_or_config)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def model_fingerprint(model_or_config: Any) -> dict[str, Any]:
+    """The architecture facts a ReasoningWave profile is valid for (layers, heads, widths, vocabulary)."""
+    config = _text_config(model_or_config)
+    out = {k: getattr(config, k, None) for k in FINGERPRINT_KEYS}
+    if out["head_dim"] is None and out["hidden_size"] and out["num_attention_heads"]:
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    if out["num_key_value_heads"] is None:
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    return out
+
+
+def model_id(model_or_config: Any) -> str:
+    """A model's name without machine paths: the hub id (`org/name`), the last part of a local directory, or,
+    for the default GGUF model, `SmolLM2-135M-Instruct`."""
+    from .models import GGUF_FILE
+
+    config = _text_config(model_or_config)
+    name = str(getattr(config, "_name_or_path", "") or getattr(getattr(model_or_config, "config", None),
+                                                                  "_name_or_path", "") or "")
+    if name and os.path.isdir(name):
+        if os.path.exists(os.path.join(name, GGUF_FILE)):
+            return GGUF_FILE.split(".")[0]
+        return os.path.basename(os.path.normpath(name))
+    if name and os.path.isabs(name):
+        return os.path.basename(os.path.normpath(name))
+    return name or str(getattr(config, "model_type", "") or "model")
+
+
+def find_profile(model_or_config: Any, profiles: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+    """The shipped ReasoningWave profile (`kvcompose/profiles/*.json`) for a model: its architecture must
+    match the profile's fingerprint exactly; among several, the one whose recorded model name matches.
+    None when there is none."""
+    fp = model_fingerprint(model_or_config)
+    name = model_id(model_or_config).lower().split("/")[-1]
+    hits = []
+    for prof in shipped_profiles() if profiles is None else profiles:
+        theirs = prof.get("fingerprint") or {}
+        if theirs and all(theirs.get(k) == fp.get(k) for k in FINGERPRINT_KEYS if theirs.get(k) is not None):
+            hits.append(prof)
+    if len(hits) > 1:
+        named = [p for p in hits if str(p.get("model", "")).lower().split("/")[-1] == name]
+        hits = named or hits
+    return hits[0] if hits else None
 
 
 def coverage_count(p: Float[Tensor, "*b T"], coverage: float) -> Int[Tensor, "*b"]:
@@ -120,8 +182,9 @@ def calibrate_reasoning_wave(
     head = (sums / count).tolist()
     profile = {
         "kind": PROFILE_KIND,
-        "version": 1,
-        "model": getattr(model.config, "_name_or_path", "") or getattr(model.config, "model_type", ""),
+        "version": 2,
+        "model": model_id(model),
+        "fingerprint": model_fingerprint(model),
         "num_layers": len(head),
         "coverage": coverage,
         "prompts": count,
@@ -132,4 +195,60 @@ def calibrate_reasoning_wave(
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(profile, indent=1))
+    return profile
+
+
+def calibrate(
+    model,
+    tokenizer,
+    data: str | os.PathLike | list[dict[str, Any]],
+    out: str | os.PathLike | None = None,
+    n: int = 4,
+    offset: int = 1000,
+    new_tokens: int = 512,
+    kind: str = "sampled",
+    seed: int = 1,
+    coverage: int | float = 0.9,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """One call from questions to a ReasoningWave profile (what `kvcompose calibrate` runs).
+
+    Reads `n` questions from line `offset` of a JSONL file (a 'question' field per line, e.g. GSM8K's
+    test.jsonl; use questions you do not evaluate on), writes full-cache reference traces of `new_tokens`
+    tokens (`kvcompose.bench.traces.make_traces`, `kind` "sampled" with `seed`, "greedy" or "worked"), and
+    measures each layer's demand on them with `calibrate_reasoning_wave` (keys covering `coverage` of a
+    decoding query's attention). The defaults reproduce the shipped SmolLM2-135M-Instruct profile (GSM8K
+    test questions 1000-1003, 4 sampled traces of 512 tokens, seed 1).
+
+    Args:
+        model, tokenizer: a Hugging Face causal LM supported by `KVComposeCache`, and its tokenizer.
+        data: the JSONL path, or records with a 'question' field (and 'answer' for `kind="worked"`).
+        out: where to write the JSON profile (None: do not write).
+
+    Returns:
+        The profile dict (also written to `out`): `demand` per layer, `head_demand` per layer and KV head,
+        `model` (name), `fingerprint` (architecture), and how it was calibrated (`calibration`).
+    """
+    from .bench.data import load_questions
+    from .bench.traces import make_traces
+
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise KVComposeError(f"calibrate: n must be a positive int, got {n!r}")
+    if isinstance(data, (str, os.PathLike)):
+        questions = load_questions(data, n, offset)
+        source = f"{Path(data).name} lines {offset}-{offset + len(questions) - 1}"
+    else:
+        questions = list(data)[:n]
+        source = f"{len(questions)} given questions"
+    if not questions:
+        raise KVComposeError(f"calibrate: no question at line {offset} of {data}")
+    traces = make_traces(model, tokenizer, questions, new_tokens=new_tokens, kind=kind, seed=seed, progress=progress)
+    profile = calibrate_reasoning_wave(model, [t.prompt_ids for t in traces], None, new_tokens=new_tokens,
+                                       coverage=coverage, traces=[t.trace_ids for t in traces])
+    profile["new_tokens"] = new_tokens
+    profile["calibration"] = {"questions": source, "kind": kind, "seed": seed, "traces": len(traces),
+                              "trace_tokens": new_tokens}
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(profile, indent=1))
     return profile

@@ -165,34 +165,83 @@ def test_head_utility_moves_budget_to_broad_heads(utility):
 
 
 # ------------------------------------------------------------------------------------ GrowPage
-@given(b=st.integers(1, 3), h=st.integers(1, 3), budget=st.sampled_from([16, 32, 48]), page=st.sampled_from([4, 8, 16]),
-       cap=st.sampled_from([0.5, 1.0, 1.5]), events=st.integers(1, 4), seed=st.integers(0, 500))
-def test_growpage_respects_cap_and_floor(b, h, budget, page, cap, events, seed):
+def _growpage_reference(pages, want, held, act, cap_pages, page, room, floor, shrink=True):
+    """GrowPage's decision, one row at a time (the rule of its docstring, written as a loop)."""
+    pages = list(pages)
+    for r in range(len(pages)):
+        if shrink and act[r] and want[r] <= pages[r] - 2:
+            pages[r] = max(floor, pages[r] - 1)
+    deficit = [max(0, want[r] - pages[r]) if act[r] and held[r] >= pages[r] * page else 0 for r in range(len(pages))]
+    free = cap_pages - sum(pages)
+    asking = sorted((r for r in range(len(pages)) if deficit[r] > 0), key=lambda r: (-deficit[r], r))
+    for r in asking[:max(0, free)]:
+        pages[r] += 1
+    budgets = [pages[r] * page - room if act[r] and held[r] >= pages[r] * page else pages[r] * page
+               for r in range(len(pages))]
+    return pages, budgets
+
+
+@given(b=st.integers(1, 4), h=st.integers(1, 3), budget=st.sampled_from([32, 48, 64]), page=st.sampled_from([4, 8, 16]),
+       cap=st.sampled_from([0.75, 1.0, 1.5]), events=st.integers(1, 4), seed=st.integers(0, 500))
+def test_growpage_matches_a_loop_reference(b, h, budget, page, cap, events, seed):
+    """Per request (row): shrink, grants by largest deficit under the cap, then keep-all or compress to
+    `pages * page - room`, checked against a per-row loop; every head of a row gets the same budget."""
     alloc = GrowPage(page=page, initial=min(0.5, cap), cap=cap, coverage=0.95, window=8)
     state = alloc.init(LayerSpec(0, 4, b, h, 8, 8, torch.device("cpu"), torch.float32))
     assert state == {}
+    g = torch.Generator().manual_seed(seed)
+    pages = [alloc.initial_pages(budget)] * b
     for e in range(events):
         t = 40 + 4 * e
-        v = random_view(b=b, h=h, t=t, w=8, seen=t + 10 * e, seed=seed + e)
+        rows = torch.rand(b, generator=g) < 0.7
+        v = random_view(b=b, h=h, t=t, w=8, seen=t + 10 * e, seed=seed + e, rows=rows)
+        before = {k: (x.clone() if isinstance(x, torch.Tensor) else x) for k, x in state.items()}
+        want = alloc.row_want(v, {**before, **_ema_probe(alloc, v, before)}).tolist()
         out, state = alloc(v, budget, state)
-        assert (out % page == 0).all()
-        assert (out >= page * alloc.floor).all()
-        assert int(out.sum()) <= max(alloc.cap_pages(budget, b, h), b * h * alloc.initial_pages(budget)) * page
-    assert state["pages"].shape == (b, h)
+        ref_pages, ref_budgets = _growpage_reference(pages, want, [t] * b, rows.tolist(), alloc.cap_pages(budget, b),
+                                                     page, alloc.room, alloc.floor)
+        assert state["pages"].tolist() == ref_pages
+        assert out.tolist() == [[x] * h for x in ref_budgets]
+        assert (state["pages"] >= alloc.floor).all()
+        assert int(state["pages"].sum()) <= max(alloc.cap_pages(budget, b), b * alloc.initial_pages(budget))
+        pages = ref_pages
 
 
-def test_growpage_grows_for_broad_heads_and_returns_pages():
-    alloc = GrowPage(page=4, initial=0.25, cap=1.0, coverage=0.9, window=4)
-    v = _peaked_view(t=32)
+def _ema_probe(alloc, view, state):
+    """The query summaries `allocate` will hold once it has absorbed the view's new queries."""
+    st_ = dict(state)
+    last = st_.get("last", -1)
+    new = view.query_valid & (view.query_positions > last)[None, :]
+    alloc._ema_update(st_, "fast", alloc.fast, view.queries, new)
+    alloc._ema_update(st_, "slow", alloc.slow, view.queries, new)
+    return st_
+
+
+def test_growpage_grows_the_broad_request_and_returns_pages():
+    """Row 1 attends broadly (it asks for pages), row 0 sharply (it compresses inside its pages, then gives
+    pages back); the cap stops row 1."""
+    v1 = _peaked_view(t=48)
+    keys = torch.cat([v1.keys[:, :1], v1.keys[:, 1:]], 0).reshape(2, 1, 48, -1)  # row 0: peaked head, row 1: broad
+    q = torch.cat([v1.queries[:, :2], v1.queries[:, 2:]], 0)
+    v = LayerView(**{**v1.__dict__, "keys": keys, "values": keys.clone(), "positions": v1.positions[:, :1].expand(2, 1, 48),
+                     "valid": v1.valid[:, :1].expand(2, 1, 48), "queries": q,
+                     "query_valid": v1.query_valid.expand(2, -1)})
+    alloc = GrowPage(page=4, initial=0.25, cap=0.5, floor=2, coverage=0.9, window=4)
     state: dict = {}
-    first, state = alloc(v, 16, state)  # cap: 2 heads x 16 tokens = 8 pages; start at 1 page each
-    assert first[0, 1] == 8 and first[0, 0] == 4  # the broad head takes a page, the peaked one stays
+    first, state = alloc(v, 32, state)  # cap: 0.5 x 2 rows x 32 tokens = 8 pages; start at 2 pages each
+    # both rows are full (48 slots): row 0 compresses inside its 2 pages, row 1 takes a page and compresses
+    # inside 3 (a row that fills its pages one token at a time keeps everything after a grant)
+    assert state["pages"].tolist() == [2, 3] and first[:, 0].tolist() == [4, 8]
     with pytest.raises(KVComposeError, match="Pipeline"):  # stateful: refuses a call without its state
-        alloc(v, 16)
-    for _ in range(10):
-        out, state = alloc(v, 16, state)
-    assert int(out.sum()) <= 32 and out[0, 1] > out[0, 0]
-    assert state["denied"] > 0  # the cap stopped the broad head
+        alloc(v, 32)
+    for _ in range(20):
+        out, state = alloc(v, 32, state)
+    assert int(state["pages"].sum()) == 8 and state["pages"][1] > state["pages"][0]
+    assert state["denied"] > 0  # the cap stopped the broad row
+    shrink = GrowPage(page=4, initial=0.5, cap=1.0, floor=2, coverage=0.9, window=4)
+    st2: dict = {}
+    _, st2 = shrink(v, 32, st2)  # 4 pages each to start; row 0 needs 2 (its floor): it returns one
+    assert st2["pages"][0] == 3 and st2["returned"] >= 1
 
 
 def test_growpage_expected_attention_is_the_gaussian_query_mean():
@@ -499,17 +548,48 @@ def test_ragged_memory_is_sum_of_head_lengths_not_padded_max():
 def test_growpage_in_cache_cap_and_page_reuse():
     model = tiny_model("llama", layers=2)
     ids, mask = _inputs(b=2, t=14, pad=(3, 0))
-    pipe = methods.growpage(methods.rkv(window=4), page=4, initial=0.25, cap=1.0, window=8)
+    pipe = methods.growpage(methods.rkv(window=4), page=4, initial=0.25, cap=1.0, window=8, coverage=0.99)
     cache = KVComposeCache(model, pipe, budget=16, interval=4)
     _greedy(model, ids, mask, cache, n=40)
     alloc = pipe.allocator
     leaf = pipe.leaves.index(alloc)  # the allocator's state is threaded by the pipeline, per layer
     for layer in cache.layers:
         st_ = layer.segment.blocks[leaf]
-        assert int(st_["pages"].sum()) <= alloc.cap_pages(16, 2, 2)
-        assert (layer.segment.limits == st_["pages"] * 4).all()
+        assert int(st_["pages"].sum()) <= alloc.cap_pages(16, 2)
+        assert (layer.lengths.amax(-1) < st_["pages"] * 4).all()  # below the row's page ceiling after each step
+        assert (layer.lengths == layer.lengths[:, :1]).all()  # per request: its heads hold the same count
         assert layer.segment.store.pool.reused > 0  # pages freed at compaction were handed out again
     assert sum(layer.segment.blocks[leaf].get("granted", 0) for layer in cache.layers) > 0
+
+
+def test_growpage_events_follow_page_fills_not_the_interval():
+    """Token by token: a row is compressed (or grows) exactly when its pages are full, whatever the interval;
+    between events its held slots stay below its page ceiling, and memory follows the rows' pages."""
+    model = tiny_model("llama", layers=2)
+    ids, mask = _inputs(b=2, t=10, pad=(2, 0))
+    pipe = methods.growpage(methods.rkv(window=2), page=4, initial=0.5, cap=1.0, floor=2, window=16)
+    cache = KVComposeCache(model, pipe, budget=16, interval=1000)  # the interval rule would never fire
+    leaf = pipe.leaves.index(pipe.allocator)
+    events = [0, 0]
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        x, m = ids[:, -1:], mask
+        for _ in range(30):
+            m = torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
+            before = [layer.segment.store.lengths.amax(-1).clone() for layer in cache.layers]
+            pages = [layer.segment.blocks[leaf].get("pages") for layer in cache.layers]
+            logits = model(input_ids=x, attention_mask=m, past_key_values=cache).logits
+            x = logits[:, -1:].argmax(-1)
+            for i, layer in enumerate(cache.layers):
+                st_ = layer.segment.blocks[leaf]
+                full = before[i] + 1 >= (pages[i] * 4 if pages[i] is not None else layer.segment.limits.amax(-1))
+                ran = layer.events > events[i]
+                assert ran == bool(full.any())  # an event exactly when some row's pages filled
+                events[i] = layer.events
+                assert (layer.lengths.amax(-1) < st_["pages"] * 4).all() if "pages" in st_ else True
+    assert min(events) >= 3
+    for layer in cache.layers:
+        assert layer.held_bytes() <= int(layer.segment.blocks[leaf]["pages"].sum()) * 4 * layer.num_heads * 2 * 16 * 4
 
 
 def test_ragged_beam_search_and_crop():

@@ -191,7 +191,7 @@ def test_vase_samples_in_proportion_to_attention():
 def test_every_preset_runs_in_generate(name):
     model = tiny_model("qwen3", layers=2)
     ids = torch.randint(3, 128, (1, 12))
-    budget = {"vase": 100, "random_attention": 80, "snapkv": 40, "reason_alloc": 64}.get(name, 24)
+    budget = {"vase": 100, "random_attention": 80, "snapkv": 40, "reason_alloc": 64, "growpage": 48}.get(name, 24)
     cache = KVComposeCache(model, methods.PRESETS[name](), budget=None if name == "full" else budget, interval=8)
     out = model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=40, do_sample=False)
     assert out.shape == (1, 52)

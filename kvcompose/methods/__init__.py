@@ -7,11 +7,11 @@ from .baselines import full, h2o, snapkv, streaming_llm, tova, knorm
 from .reasoning import random_attention, rkv, vase
 from .hierarchy import memory_hierarchy, with_tier
 from .allocation import growpage, pyramid_rkv, reason_alloc, with_allocator
-from .reco import Reco, RewardAllocator, reco  # not in PRESETS: reco returns a bundle, not a pipeline
+from .reco import Reco, RewardAllocator, reco, reco_evict  # not in PRESETS: reco returns a bundle, not a pipeline
 
 __all__ = ["full", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "rkv", "random_attention", "vase", "PRESETS",
            "memory_hierarchy", "with_tier", "pyramid_rkv", "reason_alloc", "growpage", "with_allocator",
-           "reco", "Reco", "RewardAllocator"]
+           "reco", "Reco", "RewardAllocator", "reco_evict"]
 
 PRESETS = {
     "full": full,
@@ -25,6 +25,6 @@ PRESETS = {
     "vase": vase,
     "memory_hierarchy": memory_hierarchy,  # works with or without a budget (HBM = min(budget, share of seen))
     "pyramid_rkv": pyramid_rkv,
-    "reason_alloc": reason_alloc,  # head-wise only unless given profile=... (a ReasoningWave JSON)
+    "reason_alloc": reason_alloc,  # the shipped ReasoningWave profile of the model if any, else head-wise only
     "growpage": growpage,
 }

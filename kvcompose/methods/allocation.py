@@ -7,8 +7,8 @@ paper compares) and returns the same blocks with a different allocator:
   ("Pyramid-RKV" in the ReasonAlloc comparison). Dense per-layer storage.
 - `reason_alloc`: ReasonAlloc's calibrated layer profile (`ReasoningWave`) plus online head-wise reallocation
   (`HeadUtility`). Ragged paged storage.
-- `growpage`: GrowPage's page-granular, on-demand per-(request, head) budgets under a global cap. Ragged paged
-  storage.
+- `growpage`: GrowPage's page-granular, on-demand per-request budgets under a global cap, triggered when a
+  request's pages are full. Ragged paged storage.
 """
 
 from __future__ import annotations
@@ -52,32 +52,59 @@ def pyramid_rkv(base: Pipeline | None = None, window: int | None = None, beta: i
     return with_allocator(base, Pyramid(window=w, beta=beta), name=f"pyramid({base!r}, w={w}, beta={beta:g})")
 
 
-def reason_alloc(base: Pipeline | None = None, profile: str | os.PathLike | dict | None = None,
+def reason_alloc(base: Pipeline | None = None, profile: str | os.PathLike | dict | None = "auto",
                  floor: int | float = 0.25, utility: Literal["mass", "entropy"] = "mass", window: int = 32,
-                 layer_floor: int | float = 0.25, page_size: int = 16) -> Pipeline:
+                 layer_floor: int | float = 0.25, page_size: int = 16, model=None, cap: bool = True) -> Pipeline:
     """ReasonAlloc over `base` scoring (R-KV by default, as the paper): layer budgets follow a calibrated
-    Reasoning-Wave profile (`ReasoningWave(profile)`, written by
-    `kvcompose.calibration.calibrate_reasoning_wave`), head budgets are reassigned at every compression event
-    toward heads of high utility (`HeadUtility`, floor `floor` per head). Without `profile`, layers are uniform
-    and only the head-wise part runs.
+    Reasoning-Wave profile (`ReasoningWave`, written by `kvcompose calibrate`), capped at the tokens seen
+    with the surplus spread over the other layers (`cap`), and head budgets are reassigned at every
+    compression event toward heads of high utility (`HeadUtility`, floor `floor` per head).
+
+    `profile="auto"` (default) uses the profile shipped with kvcompose for the model (`kvcompose/profiles/`,
+    SmolLM2-135M-Instruct today): matched by the model's name and config with `model=`, else by its layer
+    and KV-head counts when the cache is built. Without a profile for the model, layers stay uniform and only
+    the head-wise part runs (a warning says so). `profile=None`: head-wise only; a path or dict: that profile.
 
     Example:
-        >>> methods.reason_alloc(base=methods.rkv(), profile="smollm2.json")
+        >>> methods.reason_alloc(base=methods.rkv())                       # the shipped profile, if any
+        >>> methods.reason_alloc(base=methods.snapkv(), profile="my_model.json")
     """
     base = base if base is not None else rkv()
-    layers = ReasoningWave(profile, floor=layer_floor) if profile is not None else None
+    layers = None
+    tag = "heads"
+    if isinstance(profile, str) and profile == "auto":
+        layers = ReasoningWave("auto", floor=layer_floor, cap=cap)
+        tag = "wave(auto)+heads"
+        if model is not None:
+            from ..calibration import find_profile, model_fingerprint
+
+            found = find_profile(model)
+            layers.bind(found, int(model_fingerprint(model)["num_hidden_layers"]))
+            if found is None:
+                import warnings
+
+                warnings.warn("reason_alloc: no shipped ReasoningWave profile matches this model's config; layers "
+                              "stay uniform, only the head-wise part runs (calibrate one with `kvcompose calibrate`)",
+                              stacklevel=2)
+                layers, tag = None, "heads"
+            else:
+                tag = f"wave({found.get('model', 'auto')})+heads"
+    elif profile is not None:
+        layers = ReasoningWave(profile, floor=layer_floor, cap=cap)
+        tag = "wave+heads"
     alloc = HeadUtility(layers=layers, floor=floor, utility=utility, window=window, page_size=page_size)
-    tag = "wave+heads" if layers is not None else "heads"
     return with_allocator(base, alloc, name=f"reason_alloc({base!r}, {tag})")
 
 
 def growpage(base: Pipeline | None = None, page: int = 16, initial: int | float = 0.5, cap: int | float = 1.0,
              coverage: int | float = 0.9, fast: float = 0.25, slow: float = 0.01, shrink: bool = True,
-             window: int = 64, spread: bool = True) -> Pipeline:
-    """GrowPage over `base` scoring (R-KV by default): per-(request, head) budgets start at `initial * budget`
-    and grow (or shrink) a page at a time as fast/slow query summaries see the attention working set broaden
-    (narrow), under a global cap of `cap * B * H * budget` tokens per layer. See `GrowPage`."""
+             window: int = 64, spread: bool = True, floor: int = 2, room: int | None = None,
+             heads: Literal["max", "mean"] = "max") -> Pipeline:
+    """GrowPage over `base` scoring (R-KV by default): per-request (batch row) budgets start at
+    `initial * budget` and, each time a request's pages are full, it takes one more page (when fast/slow query
+    summaries say its attention working set needs it and the layer's cap of `cap * B * budget` tokens per KV
+    head allows) or compresses, leaving `room` free slots (one page). See `GrowPage`."""
     base = base if base is not None else rkv()
-    alloc = GrowPage(page=page, initial=initial, cap=cap, coverage=coverage, fast=fast, slow=slow,
-                     shrink=shrink, window=window, spread=spread)
+    alloc = GrowPage(page=page, initial=initial, cap=cap, floor=floor, room=room, coverage=coverage, fast=fast,
+                     slow=slow, shrink=shrink, window=window, spread=spread, heads=heads)
     return with_allocator(base, alloc, name=f"growpage({base!r}, page={page}, cap={cap:g})")

@@ -43,6 +43,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from ..allocators import Allocator, Uniform, layer_budget
 from ..cache import KVComposeCache
 from ..pipeline import Pipeline
+from ..selectors import TopK
 from ..reco import (
     DEFAULT_ANSWER_PATTERN,
     DEFAULT_PENALTY_BANDS,
@@ -56,10 +57,11 @@ from ..reco import (
     StepReward,
     StepSegmenter,
 )
+from ..reco.eviction import Lexicographic, StepRewardScore
 from ..view import KVComposeError, LayerView
 from .allocation import with_allocator
 
-__all__ = ["RewardAllocator", "reco", "Reco"]
+__all__ = ["RewardAllocator", "reco", "Reco", "reco_evict"]
 
 BatchPolicy = Literal["min", "max", "row"]
 
@@ -251,6 +253,41 @@ class RewardAllocator(Allocator):
         )
 
 
+def reco_evict(tracker: Any, base: Pipeline | None = None, order: str = "reward", seed: int = 0) -> Pipeline:
+    """ReCo's step-attributed eviction over `base` (R-KV by default): tokens carry their reasoning step
+    (`StepRewardScore`, one token-state channel), and at each event the tokens of completed steps are
+    ranked by their step's reward, highest reward evicted first; inside a step (and among the prompt and
+    the open step, which rank above every completed step) the base score decides (`Lexicographic`).
+
+    ReCo (arXiv, abstract only): deleting the tokens of high-reward steps beats deleting the same number at
+    random. `order="inverse"` (lowest reward first) and `order="random"` (whole steps in a random order) are
+    the controls of that claim. The base's protectors, allocator, tier and interval are kept; its selector
+    must be `TopK` (a rank is not a sampling weight).
+
+    Args:
+        tracker: the `kvcompose.reco.RewardTracker` fed by a `RewardTrackingProcessor` in the same
+            `generate` call (or a `kvcompose.reco.StepReplay` for teacher forcing).
+        base: a pipeline with a scorer and `TopK` (default `methods.rkv()`).
+        order: "reward" (ReCo), "inverse" or "random".
+        seed: seed of the random step order.
+
+    Example:
+        >>> tracker = RewardTracker(tok)
+        >>> pipe = methods.reco_evict(tracker, methods.rkv())
+        >>> model.generate(**inputs, past_key_values=KVComposeCache(model, pipe, budget=128),
+        ...                logits_processor=LogitsProcessorList([RewardTrackingProcessor(tracker)]))
+    """
+    from .reasoning import rkv
+
+    base = base if base is not None else rkv()
+    if not isinstance(base, Pipeline) or not base.compresses:
+        raise KVComposeError(f"base must be a compressing kvcompose Pipeline (e.g. methods.rkv()), got {base!r}")
+    if base.scorer is None or not isinstance(base.selector, TopK):
+        raise KVComposeError(f"reco_evict ranks tokens: the base needs a scorer and TopK, got {base!r}")
+    score = Lexicographic(StepRewardScore(tracker, order=order, seed=seed), base.scorer)  # type: ignore[arg-type]
+    return base.replace(score, name=f"reco_evict({base!r}, order={order})")
+
+
 @dataclass
 class Reco:
     """Everything ReCo plugs into `model.generate`, built by `reco(...)`.
@@ -314,6 +351,7 @@ def reco(
     answer_pattern: str | None = DEFAULT_ANSWER_PATTERN,
     max_answer_tokens: int = 16,
     default_reward: float = 0.5,
+    evict: str = "base",
 ) -> Reco:
     """ReCo: reward-coordinated compression, reflection penalty and early stopping over a base method.
 
@@ -349,6 +387,9 @@ def reco(
         answer_prefix, max_answer_tokens: the forced answer (force mode).
         answer_pattern: the answer gate without force (ignored with `force_answer=True`).
         default_reward: the reward before a row's first completed step.
+        evict: which tokens an event deletes: "base" (the base method's ranking, default) or "reward"
+            (step-attributed: the tokens of the highest-reward completed steps first, `reco_evict`; the base
+            needs a scorer and `TopK`).
 
     Returns a `Reco` bundle; call `.reset()` between `generate` calls. Greedy or sampling (no beam search).
     """
@@ -387,7 +428,12 @@ def reco(
         inner = base.allocator
         blocks = [*base.protectors, base.scorer, base.selector, base.tier]
         base = Pipeline(*[b for b in blocks if b is not None], name=base.name)
+    if evict not in ("base", "reward"):
+        raise KVComposeError(f"evict must be 'base' or 'reward', got {evict!r}")
     tracker = RewardTracker(tokenizer, reward=reward, segmenter=segmenter, default_reward=default_reward)
+    if evict == "reward":
+        base = reco_evict(tracker, base)
+        name = f"reco({base!r})"
     allocator = RewardAllocator(tracker, schedule, batch=batch, inner=inner)
     pipeline = with_allocator(base, allocator, name=name)
     allocator.bind(pipeline)

@@ -37,8 +37,13 @@ How the pieces talk during `model.generate` (greedy or sampling; beam search is 
 Batch: every object keeps per-row state (row b of `input_ids`); `B > 1` works, each row is segmented and
 rewarded on its own.
 
+Step-attributed eviction (`eviction`): tokens carry their step in a token-state channel
+(`StepRewardScore`) and the tokens of the highest-reward completed steps are evicted first
+(`kvcompose.methods.reco_evict`); `StepReplay` replays a tracker along a fixed trace for teacher forcing.
+
 Modules: `segment` (step segmentation), `rewards` (step rewards), `tracker` (`RewardTracker`, budget
-schedule), `processors` (logits processors), `stopping` (`ConfidenceStopping`). Every public name is
+schedule), `processors` (logits processors), `stopping` (`ConfidenceStopping`), `eviction`
+(`StepRewardScore`, `Lexicographic`, `StepReplay`). Every public name is
 re-exported here, so `from kvcompose.reco import X` works for all of them.
 """
 
@@ -61,6 +66,7 @@ from .segment import (
     split_steps,
     step_marker,
 )
+from .eviction import UNREWARDED, Lexicographic, StepReplay, StepRewardScore, StepSource
 from .stopping import DEFAULT_ANSWER_PATTERN, ConfidenceStopping
 from .tracker import RewardBudgetSchedule, RewardTracker, reward_to_budget
 
@@ -88,4 +94,9 @@ __all__ = [
     "DEFAULT_ANSWER_PATTERN",
     "ForcePrefix",
     "ConfidenceStopping",
+    "StepSource",
+    "StepRewardScore",
+    "Lexicographic",
+    "StepReplay",
+    "UNREWARDED",
 ]

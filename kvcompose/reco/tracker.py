@@ -30,6 +30,7 @@ class _Row:
         self.entropies: list[float] = []
         self.steps: list[StepInfo] = []
         self.rewards: list[float] = []
+        self.ends: list[int] = []  # token end (exclusive) of each completed step, in generated-token indices
 
 
 class RewardTracker:
@@ -57,8 +58,9 @@ class RewardTracker:
     `generate` calls to be certain.
 
     Exposes: `current_reward` (float), `current_rewards` (per row), `reward_of(row)`, `rewards_of(row)`
-    (history), `steps` (all completed `StepInfo`s, in completion order, each with `.row`),
-    `steps_of(row)`, `generated_text(row)`, `partial_text(row)`, `finalize()`.
+    (history), `step_ends(row)` (token spans of the completed steps), `prompt_length`, `steps` (all
+    completed `StepInfo`s, in completion order, each with `.row`), `steps_of(row)`, `generated_text(row)`,
+    `partial_text(row)`, `finalize()`.
     """
 
     def __init__(
@@ -172,6 +174,7 @@ class RewardTracker:
         step.reward = r
         row.steps.append(step)
         row.rewards.append(r)
+        row.ends.append(int(cs.tok_hi))
         self._all_steps.append(step)
 
     def finalize(self) -> list[StepInfo]:
@@ -207,6 +210,18 @@ class RewardTracker:
         """Latest completed step's reward; with `B > 1` the minimum over rows (the most cautious
         value: gentlest compression, least penalty). `default_reward` before any step."""
         return min(self.current_rewards)
+
+    @property
+    def prompt_length(self) -> int:
+        """Length of the prompt (left padding included) of the generation being tracked (0 before the first
+        call): generated token i of a row sits at sequence position `prompt_length + i`."""
+        return self._prompt_len if self._rows else 0
+
+    def step_ends(self, row: int) -> list[int]:
+        """Token end (exclusive, in generated-token indices) of each completed step of `row`: step k spans
+        generated tokens `[ends[k-1], ends[k])` (`ends[-1]` = 0). Tokens from `ends[-1]` on belong to the
+        step in progress (`StepStream`'s attribution: a separator token counts toward the step it opens)."""
+        return list(self._rows[row].ends) if row < len(self._rows) else []
 
     def rewards_of(self, row: int) -> list[float]:
         """Reward history of `row`, one per completed step."""
