@@ -2,8 +2,8 @@
 
 Runs a step-level beam (BFS) or best-first search with SmolLM2-135M-Instruct (the default model); steps end
 at a newline. Branches share their prefix's KV in one `BranchCache`; with `--budget`, inactive branches are
-compressed (a quarter of their tokens stay, the rest go to host memory or are evicted and recomputed on
-return).
+compressed, lowest search value first (a quarter of their tokens stay, the rest go to host memory or are
+evicted and recomputed on return; `--rehydrate resume` decodes a revisited branch from what it still holds).
 
     python examples/tree_search_gsm8k.py                      # the built-in question
     python examples/tree_search_gsm8k.py --data path/to/gsm8k/test.jsonl --index 3 --budget 256
@@ -49,6 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=None, help="device tokens per layer for the whole tree")
     p.add_argument("--keep", type=float, default=0.25, help="share of an inactive node kept on the device")
     p.add_argument("--tier", choices=["host", "evict"], default="host")
+    p.add_argument("--rehydrate", choices=["exact", "resume"], default="exact",
+                   help="revisiting a compressed branch: restore it exactly, or resume from what it still holds")
+    p.add_argument("--priority", choices=["value", "lru"], default="value",
+                   help="compress the lowest-value inactive branches first, or the least recently used")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     return p.parse_args(argv)
 
@@ -90,7 +94,8 @@ def main(argv=None) -> dict:
     if args.backend == "shared":
         from kvcompose.tiers import Evict, HostTier
 
-        backend = SharedKV(budget=args.budget, keep=args.keep, tier=HostTier() if args.tier == "host" else Evict())
+        backend = SharedKV(budget=args.budget, keep=args.keep, tier=HostTier() if args.tier == "host" else Evict(),
+                           rehydrate=args.rehydrate, priority=args.priority)
     else:
         backend = CopiedKV()
     search = TreeSearch(

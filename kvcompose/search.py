@@ -181,6 +181,9 @@ class Backend:
     def after_step(self) -> None:
         """Called after each step (memory bookkeeping)."""
 
+    def set_value(self, handle: Any, value: float) -> None:
+        """The search's value estimate of a handle's path (called after each step; default: ignored)."""
+
     def memory(self) -> dict[str, int]:
         """Bytes: at least 'peak_device' (peak KV bytes on the compute device) and 'device' (now)."""
         raise NotImplementedError  # pragma: no cover - abstract
@@ -193,11 +196,13 @@ class SharedKV(Backend):
     """Branches in one `BranchCache` (shared prefixes stored once; ArborKV-style tree-aware compression).
 
     ArborKV (abstract only): the active path gets budget priority, inactive subtrees keep a subset of their
-    tokens, revisits rehydrate lazily. The mechanism (segment tree, LRU compression, host tier or
-    recomputation) is ours; see `kvcompose.branch`. Handles are `BranchCache` branch ids.
+    tokens, revisits rehydrate lazily. The mechanism (segment tree, compression of the lowest-value inactive
+    nodes first, host tier, recomputation or resumption from the kept subset) is ours; see `kvcompose.branch`.
+    Handles are `BranchCache` branch ids; the search's path values reach the cache through `set_value`.
 
     Args:
-        **cache_kwargs: passed to `BranchCache` (budget, keep, min_keep, scorer, tier, host_limit, seed).
+        **cache_kwargs: passed to `BranchCache` (budget, keep, min_keep, scorer, tier, rehydrate, priority,
+            active_budget, host_limit, seed).
     """
 
     def __init__(self, **cache_kwargs):
@@ -222,6 +227,10 @@ class SharedKV(Backend):
         self.branch_cache.switch(handle)
         return self.branch_cache
 
+    def set_value(self, handle, value):
+        if math.isfinite(value) or value == -math.inf:
+            self.branch_cache.set_value(handle, value)
+
     def drop(self, handle):
         c = self.branch_cache
         if handle == c.active:  # the active branch cannot be dropped: park on another live branch first
@@ -241,6 +250,7 @@ class SharedKV(Backend):
             "rehydrated_host": self.branch_cache.rehydrations["host"],
             "recomputed": self.branch_cache.rehydrations["recomputed"],
             "recomputed_tokens": self.branch_cache.rehydrations["recomputed_tokens"],
+            "resumed": self.branch_cache.rehydrations["resumed"],
         }
 
     def close(self):
@@ -514,6 +524,7 @@ class TreeSearch:
         finished = finished or parent.depth + 1 >= self.depth
         tokens = torch.cat([ids, new[None]], dim=1)
         self._generated += new.shape[0]
+        self.backend.set_value(handle, value)  # the cache compresses the lowest-value inactive branches first
         return SearchNode(id=node_id, parent=parent, depth=parent.depth + 1, step=step, score=score, value=value,
                           tokens=tokens, finished=finished, handle=handle)
 
