@@ -221,7 +221,8 @@ def calibrate(
     test questions 1000-1003, 4 sampled traces of 512 tokens, seed 1).
 
     Args:
-        model, tokenizer: a Hugging Face causal LM supported by `KVComposeCache`, and its tokenizer.
+        model: a Hugging Face causal LM supported by `KVComposeCache`.
+        tokenizer: its tokenizer.
         data: the JSONL path, or records with a 'question' field (and 'answer' for `kind="worked"`).
         out: where to write the JSON profile (None: do not write).
 

@@ -257,7 +257,7 @@ class _Dist:
 
 # ------------------------------------------------------------------------------------------ generation
 def _load(cfg: AccuracyConfig, dist: _Dist):
-    from .run import _DTYPES, load_model
+    from .common import _DTYPES, load_model
 
     device = cfg.device
     if dist.world > 1 and device.startswith("cuda") and ":" not in device:
@@ -339,7 +339,7 @@ def generate_batch(model, tok, questions: list[str], cache, max_new_tokens: int,
 def _make_cache(model, method: str, budget: int | None, cfg: AccuracyConfig, sample: int):
     from .. import methods as _methods
     from ..cache import KVComposeCache
-    from .run import make_pipeline
+    from .common import make_pipeline
 
     kw: dict[str, Any] = {"seed": cfg.seed * 1_000_003 + sample}
     if method == "full":
@@ -351,7 +351,7 @@ def _make_cache(model, method: str, budget: int | None, cfg: AccuracyConfig, sam
 
 def _validate(cfg: AccuracyConfig) -> list[tuple[str, int | None]]:
     from .. import methods as _methods
-    from .run import make_pipeline
+    from .common import make_pipeline
 
     for name in ("samples", "max_new_tokens", "batch_size"):
         v = getattr(cfg, name)
@@ -500,7 +500,7 @@ def run_accuracy(cfg: AccuracyConfig, log=print, loader=None) -> dict[str, Any] 
 def finish(cfg: AccuracyConfig, out: Path, runs, source: str, elapsed: float, log=print) -> dict[str, Any]:
     """Merge every record in `out`, write `records.jsonl`, `accuracy.json`, `accuracy.md` and the plots."""
     from . import accuracy_report
-    from .run import versions
+    from .common import versions
 
     order = [m for m, _ in runs]
     records = merge_records(_all_records(out), order)

@@ -255,7 +255,7 @@ def run_table(cfg: FaithfulConfig, log=print) -> dict[str, Any]:
     draw at random); optional free generation. Writes `<out>/<table>.json` and `.md`; returns the data."""
     from tqdm.auto import tqdm
 
-    from .run import load_model, versions
+    from .common import load_model, versions
 
     if cfg.table not in TABLES:
         raise KVComposeError(f"unknown table {cfg.table!r}; tables: {', '.join(TABLES)}")
@@ -382,8 +382,9 @@ def table_markdown(data: dict[str, Any]) -> str:
     mode = {r["method"]: r["mode"] for r in rows}
     kinds = [k for k in ("sampled", "worked", "greedy") if any(r["kind"] == k for r in rows)]
     n_tok = {}
-    for r in rows:
-        n_tok.setdefault((r["budget"], r["kind"]), (r["n_traces"], r["n_tokens"]))
+    for r in rows:  # the most runs of any row per (budget, kind); rows with fewer say how many
+        if r["n_traces"] > n_tok.get((r["budget"], r["kind"]), (0, 0))[0]:
+            n_tok[(r["budget"], r["kind"])] = (r["n_traces"], r["n_tokens"])
     recent = {b: engine_recent(b) for b in budgets}
     out = [f"Model `{data['model']}`; traces {', '.join(sorted(set(data['trace_ids'])))}; "
            f"prompts of {min(data['prompt_lengths'])}-{max(data['prompt_lengths'])} tokens. "
@@ -395,14 +396,15 @@ def table_markdown(data: dict[str, Any]) -> str:
         counts = ", ".join(f"B={b}: {n_tok[(b, kind)][0]} runs / {n_tok[(b, kind)][1]} tokens"
                            for b in budgets if (b, kind) in n_tok)
         out += [f"#### {kind} traces: top-1 agreement / mean KL(full || method) in nats", "",
-                f"({counts} per row; a run = one trace at one seed.)", "",
+                f"({counts} per row, unless a cell says fewer; a run = one trace at one seed.)", "",
                 "| row | reference mode | " + " | ".join(f"B={b}" for b in budgets) + " |",
                 "|---|---|" + "---|" * len(budgets)]
         for k in keys:
             cells = []
             for b in budgets:
                 r = next((x for x in rows if x["method"] == k and x["budget"] == b and x["kind"] == kind), None)
-                cells.append("-" if r is None else f"{fmt(r['top1'])} / {fmt(r['kl_mean'], 4)}")
+                few = "" if r is None or r["n_traces"] == n_tok[(b, kind)][0] else f" ({r['n_traces']} run)"
+                cells.append("-" if r is None else f"{fmt(r['top1'])} / {fmt(r['kl_mean'], 4)}{few}")
             out.append(f"| {k} | `{mode[k]}` | " + " | ".join(cells) + " |")
         out.append("")
     out += ["#### Prompt recall (mean per-token log-prob of the restated question, minus the full cache's)", "",

@@ -45,7 +45,7 @@ from ..view import KVComposeError
 __all__ = [
     "TokenClock", "SpeedResult", "measure_decode", "ideal_cache", "full_cache", "kv_bytes", "held_tokens", "Contender", "DecodeTrace",
     "decode_interleaved", "summarize", "with_ratios", "SpeedConfig", "run_speed", "speed_markdown",
-    "plot_speed", "render", "KVPRESS_ANALOGUE", "kvpress_traces", "default_kvpress_python",
+    "plot_speed", "KVPRESS_ANALOGUE", "kvpress_traces", "default_kvpress_python",
 ]
 
 # kvcompose preset -> the closest kvpress base press inside DecodingPress
@@ -575,7 +575,7 @@ class SpeedConfig:
 
 def _contenders(model, cfg: SpeedConfig, log) -> tuple[list[Contender], dict[str, str]]:
     from ..cache import KVComposeCache
-    from .run import make_pipeline
+    from .common import make_pipeline
 
     rows: list[Contender] = []
     errors: dict[str, str] = {}
@@ -605,7 +605,7 @@ def run_speed(cfg: SpeedConfig, log=print) -> dict[str, Any]:
     from .. import methods as _methods
     from ..models import chat_inputs
     from .data import demo_question
-    from .run import load_model, versions
+    from .common import load_model, versions
 
     if cfg.methods is None:
         cfg.methods = [m for m in _methods.PRESETS if m != "full"]
@@ -715,7 +715,8 @@ def run_speed(cfg: SpeedConfig, log=print) -> dict[str, Any]:
                      "'kvcompose / kvpress' divides the two ratios to the full cache.")
     data["elapsed_s"] = time.perf_counter() - t_start
     (out / "speed.json").write_text(json.dumps(data, indent=1, default=str))
-    render(out)
+    (out / "speed.md").write_text(speed_markdown(data))
+    plot_speed(data, out / "speed.png")
     log(f"wrote {out}/speed.json, speed.md, speed.png in {data['elapsed_s']:.0f}s")
     return data
 
@@ -824,31 +825,6 @@ def plot_speed(data: dict[str, Any], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def render(out) -> list[Path]:
-    """(Re)write the Markdown and PNG files of the speed, step-time and throughput JSON files in `out`."""
-    out = Path(out)
-    written: list[Path] = []
-    if (out / "speed.json").exists():
-        data = json.loads((out / "speed.json").read_text())
-        if all("windows" in r for r in data.get("rows", [])):  # not a speed.json of the old format
-            (out / "speed.md").write_text(speed_markdown(data))
-            plot_speed(data, out / "speed.png")
-            written += [out / "speed.md", out / "speed.png"]
-    if (out / "steptime.json").exists():
-        from .steptime import steptime_markdown
-
-        (out / "steptime.md").write_text(steptime_markdown(json.loads((out / "steptime.json").read_text())))
-        written.append(out / "steptime.md")
-    if (out / "throughput.json").exists():
-        from .throughput import plot_throughput, throughput_markdown
-
-        data = json.loads((out / "throughput.json").read_text())
-        (out / "throughput.md").write_text(throughput_markdown(data))
-        plot_throughput(data, out / "throughput.png")
-        written += [out / "throughput.md", out / "throughput.png"]
-    return written
 
 
 # ------------------------------------------------------------------------------------------ command line

@@ -137,7 +137,7 @@ class StepTimeConfig:
 
 def _kvc(model, method: str, budget: int | None, interval: int | None, seed: int):
     from ..cache import KVComposeCache
-    from .run import make_pipeline
+    from .common import make_pipeline
 
     kw = {} if interval is None else {"interval": interval}
     cache = KVComposeCache(model, make_pipeline(method, budget), budget=budget, seed=seed, **kw)
@@ -228,7 +228,7 @@ def _deep(cfg: StepTimeConfig, log) -> dict[str, Any]:
 def run_steptime(cfg: StepTimeConfig, log=print) -> dict[str, Any]:
     """`kvcompose bench steptime`: writes `steptime.json` and `steptime.md` to `cfg.out`."""
     from .. import methods as _methods
-    from .run import load_model, versions
+    from .common import load_model, versions
 
     if cfg.methods is None:
         cfg.methods = [m for m in _methods.PRESETS if m != "full"]

@@ -112,7 +112,7 @@ def run_throughput(cfg: ThroughputConfig, log=print, model_and_tokenizer=None) -
     is loaded."""
     from .. import methods as _methods
     from ..cache import KVComposeCache
-    from .run import load_model, make_pipeline, versions
+    from .common import load_model, make_pipeline, versions
 
     for m in cfg.methods:
         if m not in _methods.PRESETS or m == "full":
