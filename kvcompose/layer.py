@@ -260,10 +260,15 @@ class ComposeLayer(CacheLayerMixin):
         w = pipe.query_window if self.sliding_window is None else 0
         observers = bool(pipe.observers) and cfg.observe and self.sliding_window is None
         path = self.path()
-        if (q == 1 and w == 0 and len(path) == 1 and not observers and not seg.store.ragged and not features
+        if (q == 1 and len(path) == 1 and not observers and not seg.store.ragged and not features
                 and type(seg.store) is DenseStore and not (pipe.tier.holds_tokens and seg.tier)
                 and (sliding_window is None or seen <= sliding_window)):
-            # the common decode step: one new token that sees every held key, nothing else to do
+            # the common decode step: one new token that sees every held key; scorers that read queries at
+            # the next event (a query window) only get this query recorded
+            if w > 0:
+                qvalid = (mask2d[:, -1:].to(device=self.device, dtype=torch.bool) if pad
+                          else torch.ones(query.shape[0], 1, dtype=torch.bool, device=self.device))
+                seg.ring.record(query, torch.arange(seen - 1, seen, device=self.device), qvalid, w)
             keys, values = seg.store.kv()
             out = _attn.attend(query, keys, values, None, scale)
             if self.scheduled():

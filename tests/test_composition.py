@@ -215,7 +215,7 @@ def test_branch_cache_product(pipes, alloc, tier, rows, seed, active):
         return BranchCache(MODEL, budget=40, keep=0.25, scorer=pipe, tier=TIERS[tier](),
                            active_budget=24 if active else None, interval=4, seed=seed)
 
-    def gen(cache, inp, m, n=12):
+    def gen(cache, inp, m, n=16):  # branch a: 16 tokens, more than any pipeline here must keep of a node
         return MODEL.generate(input_ids=inp, attention_mask=m, past_key_values=cache, max_new_tokens=n,
                               min_new_tokens=n, do_sample=False)
 
