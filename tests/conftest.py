@@ -16,3 +16,15 @@ settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True
 settings.register_profile("dev", max_examples=25, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`): tiny models gain
+    nothing from threads, and on a shared, loaded CPU one thread is several times faster."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

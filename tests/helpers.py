@@ -1,10 +1,41 @@
-"""Shared test helpers: random layer views and a naive per-head reference attention."""
+"""Shared test helpers: random layer views, a naive per-head reference attention, and the tiny model, token
+ids and full-cache references of the tree-cache tests."""
 
 from __future__ import annotations
 
 import torch
 
+from transformers import DynamicCache
+
+from kvcompose.models import tiny_model
 from kvcompose.view import LayerView
+
+_TREE_MODELS: dict = {}
+
+
+def tree_model(arch: str = "llama"):
+    """A tiny random model (2 layers, 4 heads, 2 KV heads, head dim 16), built once per architecture."""
+    if arch not in _TREE_MODELS:
+        _TREE_MODELS[arch] = tiny_model(arch, layers=2, heads=4, kv_heads=2, head_dim=16)
+    return _TREE_MODELS[arch]
+
+
+def rand_ids(n: int, seed: int = 0, vocab: int = 128) -> torch.Tensor:
+    """`[1, n]` random token ids (no special tokens)."""
+    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def feed(model, cache, ids):
+    """Feed tokens through `cache`; the logits of the last one `[vocab]`."""
+    return model(input_ids=ids, past_key_values=cache).logits[0, -1]
+
+
+@torch.no_grad()
+def full_reference(model, path_ids):
+    """A fresh full cache over the whole path: (logits of the last token `[vocab]`, the DynamicCache)."""
+    cache = DynamicCache(config=model.config)
+    return model(input_ids=path_ids, past_key_values=cache).logits[0, -1], cache
 
 
 def random_view(b=2, h=2, t=40, d=8, g=2, w=8, prompt=10, seen=None, pad=None, seed=0, layer_idx=0,

@@ -16,38 +16,12 @@ from kvcompose.branch import BranchCache
 from kvcompose.models import tiny_model
 from kvcompose.search import SharedKV, TreeSearch
 from kvcompose.tiers import HostTier
+from helpers import feed as _feed
+from helpers import full_reference as _full
+from helpers import rand_ids as _ids
+from helpers import tree_model as _model
 
-_MODELS: dict = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def _model(arch="llama"):
-    if arch not in _MODELS:
-        _MODELS[arch] = tiny_model(arch, layers=2, heads=4, kv_heads=2, head_dim=16)
-    return _MODELS[arch]
-
-
-def _ids(n, seed=0, vocab=128):
-    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def _feed(model, cache, ids):
-    return model(input_ids=ids, past_key_values=cache).logits[0, -1]
-
-
-@torch.no_grad()
-def _full(model, path_ids):
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=path_ids, past_key_values=cache).logits[0, -1]
-    return out, cache
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
 
 
 def _tree(model, tier, rehydrate, budget=24, **kw):

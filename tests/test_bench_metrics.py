@@ -16,15 +16,7 @@ from kvcompose.bench.fidelity import (
 from kvcompose.models import tiny_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread is many times faster than two on a busy 2-core machine (no OpenMP contention)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
 
 
 # ------------------------------------------------------------------------------ metrics on synthetic data

@@ -11,39 +11,17 @@ from kvcompose import Evict, KVComposeError, KeyNorm, Pipeline, TopK, WindowedAt
 from kvcompose.branch import BranchCache
 from kvcompose.tiers import HostTier
 from kvcompose.models import tiny_model
+from helpers import feed as _feed
+from helpers import full_reference
+from helpers import rand_ids as _ids
+from helpers import tree_model as _model
 
-_MODELS: dict = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from threads; on a shared, loaded CPU one thread is ~10x faster."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
 
 
-def _model(arch="llama"):
-    if arch not in _MODELS:
-        _MODELS[arch] = tiny_model(arch, layers=2, heads=4, kv_heads=2, head_dim=16)
-    return _MODELS[arch]
-
-
-def _ids(n, seed=0, vocab=128):
-    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def _feed(model, cache, ids):
-    """Feed tokens to the active branch; return the logits of the last one `[vocab]`."""
-    return model(input_ids=ids, past_key_values=cache).logits[0, -1]
-
-
-@torch.no_grad()
 def _full_logits(model, path_ids):
     """Reference: a fresh full cache over the whole path, logits of the last token."""
-    return model(input_ids=path_ids, past_key_values=DynamicCache(config=model.config)).logits[0, -1]
+    return full_reference(model, path_ids)[0]
 
 
 def _stored_bytes(cache):

@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from kvcompose import (
-    KVComposeCache, KVComposeError, Pipeline, ProtectPrompt, ProtectRecent, ProtectSinks, ProtectValueNorm,
-    RandomDrop, TopK, ValueNorm, methods,
+    KVComposeCache, KVComposeError, Pipeline, ProtectRecent, ProtectSinks, RandomDrop, TopK, ValueNorm, methods,
 )
 from kvcompose.models import tiny_model
 

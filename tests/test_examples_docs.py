@@ -21,14 +21,7 @@ DOCS = sorted((ROOT / "docs").rglob("*.md"))
 RUNNABLE = re.compile(r"<!--\s*runnable\s*-->\s*\n```python\n(.*?)\n```", re.S)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
 
 
 def _blocks(path: Path) -> list[str]:

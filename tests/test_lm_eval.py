@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -20,12 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tests" / "data" / "lm_eval_tasks"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
 
 
 @pytest.fixture(scope="module")

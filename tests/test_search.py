@@ -17,12 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _MODELS: dict = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
 
 
 def _model(arch="llama"):

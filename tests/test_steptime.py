@@ -10,12 +10,7 @@ from kvcompose.bench import steptime
 from kvcompose.bench.speed import full_cache
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
 
 
 def test_fill_reaches_the_seen_count():

@@ -21,13 +21,7 @@ from kvcompose.view import LayerSpec
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny models on a shared 2-core machine: one thread is ~10x faster than two under load
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
 
 
 def _tokens(b, h, n, d, dv, dtype, seed, seen=None, state=True):
