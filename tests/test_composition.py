@@ -158,7 +158,7 @@ def test_plain_cache_product(pipes, alloc, tier, budget, interval, rows, pad, pr
     pipe0, rec, sinks = pipes
     pipe = pipe0.replace(ALLOCATORS[alloc](max(rec, 1)), TIERS[tier]())
     ids, mask = _inputs(rows, prompt, pad, seed)
-    new = 3 * interval + 7
+    new = budget + 3 * interval  # seen > budget + interval: every combination compresses at least twice
     out, cache, logits = _run(pipe, budget, interval, ids, mask, new, seed, logits=True)
     seen = prompt + new - 1
     assert cache.get_seq_length() == seen and out.shape == (rows, prompt + new)
