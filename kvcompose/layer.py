@@ -266,9 +266,13 @@ class ComposeLayer(CacheLayerMixin):
             # the common decode step: one new token that sees every held key; scorers that read queries at
             # the next event (a query window) only get this query recorded
             if w > 0:
-                qvalid = (mask2d[:, -1:].to(device=self.device, dtype=torch.bool) if pad
-                          else torch.ones(query.shape[0], 1, dtype=torch.bool, device=self.device))
-                seg.ring.record(query, torch.arange(seen - 1, seen, device=self.device), qvalid, w)
+                qvalid = mask2d[:, -1:].to(device=self.device, dtype=torch.bool) if pad else None
+                if seg.ring.ready(query, w):
+                    seg.ring.record_one(query, seen - 1, qvalid)
+                else:
+                    if qvalid is None:
+                        qvalid = torch.ones(query.shape[0], 1, dtype=torch.bool, device=self.device)
+                    seg.ring.record(query, torch.arange(seen - 1, seen, device=self.device), qvalid, w)
             keys, values = seg.store.kv()
             out = _attn.attend(query, keys, values, None, scale)
             if self.scheduled():

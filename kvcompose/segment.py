@@ -67,33 +67,105 @@ class CoreConfig:
 
 
 class QueryRing:
-    """The last W post-RoPE queries of a segment: `queries [B, Hq, W, D]`, `positions [W]`, `valid [B, W]`."""
+    """The last W post-RoPE queries of a segment, oldest first: `queries [B, Hq, W, D]`, `positions [W]`,
+    `valid [B, W]` (fewer than W until W queries were seen; None before the first).
 
-    __slots__ = ("queries", "positions", "valid")
+    A circular buffer: recording one decoded query writes one slot in place (no concatenation per step);
+    reading (at a compression event or an observer) returns the queries in time order as new tensors."""
+
+    __slots__ = ("_q", "_p", "_v", "_n", "_head")
 
     def __init__(self) -> None:
-        self.queries: Tensor | None = None
-        self.positions: Tensor | None = None
-        self.valid: Tensor | None = None
+        self._q: Tensor | None = None  # [B, Hq, W, D]
+        self._p: Tensor | None = None  # [W]
+        self._v: Tensor | None = None  # [B, W]
+        self._n = 0  # filled slots
+        self._head = 0  # next slot to write (the oldest once full)
+
+    def _ordered(self, t: Tensor | None, dim: int) -> Tensor | None:
+        if t is None:
+            return None
+        w = t.shape[dim]
+        if self._n < w:
+            return t.narrow(dim, 0, self._n).clone()
+        if self._head == 0:
+            return t.clone()
+        return torch.cat([t.narrow(dim, self._head, w - self._head), t.narrow(dim, 0, self._head)], dim=dim)
+
+    @property
+    def queries(self) -> Tensor | None:
+        return self._ordered(self._q, 2)
+
+    @property
+    def positions(self) -> Tensor | None:
+        return self._ordered(self._p, 0)
+
+    @property
+    def valid(self) -> Tensor | None:
+        return self._ordered(self._v, 1)
+
+    def _reset(self, queries: Tensor, positions: Tensor, valid: Tensor, window: int) -> None:
+        """Hold exactly these (time-ordered, at most `window`) queries."""
+        n = queries.shape[2]
+        b, h, _, d = queries.shape
+        self._q = queries.new_zeros(b, h, window, d)
+        self._p = positions.new_zeros(window)
+        self._v = valid.new_zeros(b, window)
+        self._q[:, :, :n] = queries
+        self._p[:n] = positions
+        self._v[:, :n] = valid
+        self._n, self._head = n, n % window
 
     def record(self, query: Float[Tensor, "B Hq Q D"], positions: Int[Tensor, " Q"], valid: Bool[Tensor, "B Q"],
                window: int) -> None:
-        if self.queries is None:
-            self.queries, self.positions, self.valid = query[:, :, -window:], positions[-window:], valid[:, -window:]
+        q = query.shape[2]
+        buf = self._q
+        if (buf is None or q != 1 or buf.shape[2] != window or buf.shape[:2] != query.shape[:2]
+                or buf.dtype != query.dtype or buf.device != query.device):
+            old = self.queries
+            if old is not None and old.shape[:2] == query.shape[:2] and old.dtype == query.dtype:
+                queries = torch.cat([old, query], dim=2)[:, :, -window:]
+                positions = torch.cat([self.positions, positions])[-window:]
+                valid = torch.cat([self.valid, valid], dim=1)[:, -window:]
+            else:
+                queries, positions, valid = query[:, :, -window:], positions[-window:], valid[:, -window:]
+            self._reset(queries, positions, valid, window)
+            return
+        self.record_one(query, positions, valid)
+
+    def record_one(self, query: Float[Tensor, "B Hq 1 D"], position: Int[Tensor, " 1"] | int,
+                   valid: Bool[Tensor, "B 1"] | None) -> None:
+        """Write one decoded query into the next slot (the buffer must exist: see `ready`)."""
+        h = self._head
+        self._q[:, :, h] = query[:, :, 0]
+        self._p[h] = position if isinstance(position, int) else position[0]
+        if valid is None:
+            self._v[:, h] = True
         else:
-            self.queries = torch.cat([self.queries, query], dim=2)[:, :, -window:]
-            self.positions = torch.cat([self.positions, positions])[-window:]
-            self.valid = torch.cat([self.valid, valid], dim=1)[:, -window:]
+            self._v[:, h] = valid[:, 0]
+        w = self._q.shape[2]
+        self._head = (h + 1) % w
+        self._n = min(self._n + 1, w)
+
+    def ready(self, query: Tensor, window: int) -> bool:
+        """True when `record_one` can take this query (a buffer of this window, rows, heads and dtype)."""
+        buf = self._q
+        return (buf is not None and buf.shape[2] == window and buf.shape[:2] == query.shape[:2]
+                and buf.dtype == query.dtype and buf.device == query.device)
 
     def crop(self, end: int) -> None:
         """Forget queries at positions `>= end`."""
-        if self.positions is not None:
-            keep = self.positions < end
-            self.queries, self.positions, self.valid = self.queries[:, :, keep], self.positions[keep], self.valid[:, keep]
+        if self._q is not None:
+            pos = self.positions
+            keep = pos < end
+            if bool(keep.all()):
+                return
+            self._reset(self.queries[:, :, keep], pos[keep], self.valid[:, keep], self._q.shape[2])
 
     def map_rows(self, fn) -> None:
-        if self.queries is not None:
-            self.queries, self.valid = fn(self.queries), fn(self.valid)
+        """Apply a batch-row operation (beam reordering, row selection) to the queries and their validity."""
+        if self._q is not None:
+            self._q, self._v = fn(self._q), fn(self._v)
 
 
 class Segment:
