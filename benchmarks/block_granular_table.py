@@ -52,8 +52,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kvcompose import BlockGranular, KVComposeCache, KVComposeError, ProtectValueNorm  # noqa: E402
 from kvcompose.bench.data import default_data_path, load_questions  # noqa: E402
 from kvcompose.bench.fidelity import evaluate_trace  # noqa: E402
-from kvcompose.bench.run import load_model, make_pipeline, versions  # noqa: E402
-from kvcompose.bench.traces import RepetitionGuard, Trace, make_traces, prompt_ids  # noqa: E402
+from kvcompose.bench.run import load_model, make_pipeline, select_questions, versions  # noqa: E402
+from kvcompose.bench.traces import RepetitionGuard, Trace, make_traces  # noqa: E402
 from kvcompose.kernels import value_magnitude  # noqa: E402
 from kvcompose.pipeline import Pipeline  # noqa: E402
 from kvcompose.view import LayerView  # noqa: E402
@@ -347,20 +347,6 @@ class KeptRecorder:
         return {"events": self.events, "cells": self.cells, "kept_sum": self.kept_sum, "budget_sum": self.budget_sum,
                 "kept_over_budget_max": self.max_over, "kept_under_budget_max": -self.min_kept_minus_budget,
                 "cells_above": self.above, "cells_below": self.below}
-
-
-def select_questions(tok, path: str, n: int, offset: int, min_prompt_tokens: int) -> list[dict[str, Any]]:
-    """The first `n` questions from `offset` whose chat prompt has at least `min_prompt_tokens` tokens (the
-    selection of `kvcompose bench fidelity --min-prompt-tokens`)."""
-    out: list[dict[str, Any]] = []
-    start = offset
-    while len(out) < n:
-        batch = load_questions(path, 256, start)
-        if not batch:
-            break
-        out += [q for q in batch if len(prompt_ids(tok, q["question"])) >= min_prompt_tokens]
-        start += 256
-    return out[:n]
 
 
 def traces_digest(traces: list[Trace]) -> dict[str, str]:

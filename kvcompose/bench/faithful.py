@@ -228,13 +228,13 @@ def _references(cfg: FaithfulConfig, model, tok, log) -> tuple[list[dict], list[
     """(the questions of free generation, the traces): reused from `cfg.traces` (a fidelity run's traces.json)
     or made exactly as `kvcompose bench fidelity` makes them (same question choice, seed and repetition guard)."""
     from .data import default_data_path, load_questions, resolve_questions
-    from .run import _select_questions
+    from .run import select_questions
 
     path = cfg.data or default_data_path()
     if path is None:
         resolve_questions(None, None)  # raises the error that names --data and $KVCOMPOSE_GSM8K
     want = max(cfg.n_prompts, cfg.free_gen_prompts)
-    selected = _select_questions(tok, path, want, 0, cfg.min_prompt_tokens)
+    selected = select_questions(tok, path, want, 0, cfg.min_prompt_tokens)
     if cfg.traces:
         saved = [Trace.from_dict(d) for d in json.loads(Path(cfg.traces).read_text())["items"]]
         traces = [t for kind in cfg.kinds for t in [s for s in saved if s.kind == kind][: cfg.n_prompts]]

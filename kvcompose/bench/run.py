@@ -7,11 +7,8 @@ The fidelity JSON is rewritten after every trace, so an interrupted run keeps wh
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
-import math
 import os
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +18,6 @@ import torch
 
 from .. import methods as _methods
 from ..cache import KVComposeCache
-from ..pipeline import Pipeline
 from ..view import KVComposeError
 from . import report
 from .common import _DTYPES, COMPRESSING, load_model, make_pipeline, versions  # noqa: F401
@@ -29,7 +25,7 @@ from .data import default_data_path, load_questions, resolve_questions
 from .fidelity import FidelityResult, evaluate_trace, free_generation
 from .traces import RepetitionGuard, Trace, make_traces, prompt_ids
 
-__all__ = ["FidelityConfig", "run_fidelity", "make_pipeline", "load_model",
+__all__ = ["FidelityConfig", "run_fidelity", "select_questions", "make_pipeline", "load_model",
            "default_data_path", "versions", "render"]
 
 # ------------------------------------------------------------------------------------------ fidelity
@@ -135,8 +131,9 @@ def _rows(results: dict[tuple[str, int | None, str], list], pipelines: dict, buc
     return rows
 
 
-def _select_questions(tok, path: str, n: int, offset: int, min_prompt_tokens: int) -> list[dict[str, Any]]:
-    """The first `n` questions from `offset` whose chat prompt has at least `min_prompt_tokens` tokens."""
+def select_questions(tok, path: str, n: int, offset: int, min_prompt_tokens: int) -> list[dict[str, Any]]:
+    """The first `n` questions from `offset` whose chat prompt has at least `min_prompt_tokens` tokens (the
+    selection of `kvcompose bench fidelity --min-prompt-tokens`)."""
     if min_prompt_tokens <= 0:
         return load_questions(path, n, offset)
     out: list[dict[str, Any]] = []
@@ -245,7 +242,7 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
     model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
     model_name = cfg.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
     want = max(cfg.n_prompts, cfg.free_gen_prompts)
-    selected = _select_questions(tok, data_path, want, cfg.offset, cfg.min_prompt_tokens)
+    selected = select_questions(tok, data_path, want, cfg.offset, cfg.min_prompt_tokens)
     if len(selected) < want:
         log(f"note: only {len(selected)} usable questions in {data_path}")
     questions = selected[: cfg.n_prompts]
