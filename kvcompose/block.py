@@ -30,9 +30,9 @@ from typing import Any, Protocol, runtime_checkable
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from .view import AttentionStep, LayerSpec
+from .view import AttentionStep, KVComposeError, LayerSpec
 
-__all__ = ["Block", "Observer", "LayerSchedule", "EventTrigger", "map_row_tensors"]
+__all__ = ["Block", "Observer", "LayerSchedule", "EventTrigger", "map_row_tensors", "role_of", "require_role"]
 
 
 def map_row_tensors(state: Any, fn: Callable[[Tensor], Tensor], batch: int) -> Any:
@@ -48,6 +48,36 @@ def map_row_tensors(state: Any, fn: Callable[[Tensor], Tensor], batch: int) -> A
         return replace(state, **{f.name: map_row_tensors(getattr(state, f.name), fn, batch) for f in fields(state)
                                  if f.init})
     return state
+
+
+def role_of(obj: Any) -> str:
+    """The block role of `obj` ("Scorer", "Protector", "Selector", "Allocator", "TierStore": the class right
+    below `Block` in its MRO), else its type name ("Pipeline", "float", ...)."""
+    for cls in type(obj).__mro__:
+        if Block in cls.__bases__:
+            return cls.__name__
+    return type(obj).__name__
+
+
+def _short(obj: Any) -> str:
+    """`repr` of a block (they are short), the type name of anything else (a model's repr is pages long)."""
+    if isinstance(obj, Block):
+        return repr(obj)
+    if isinstance(obj, (int, float, str, type(None))):
+        return repr(obj)
+    return f"a {type(obj).__name__}"
+
+
+def require_role(obj: Any, role: type, where: str, hint: str = "") -> Any:
+    """Return `obj` if it is a block of `role`; else raise `KVComposeError` naming what it is instead, e.g.
+    "with_allocator: HostTier() is a TierStore, not an Allocator". Every place that accepts a block checks
+    its argument with this, so a block in the wrong slot is refused with the same words everywhere."""
+    if isinstance(obj, role):
+        return obj
+    what = role_of(obj)
+    article = "an" if what[:1].lower() in "aeiou" else "a"
+    raise KVComposeError(f"{where}: {_short(obj)} is {article} {what}, not {'an' if role.__name__[0] in 'AEIOU' else 'a'} "
+                         f"{role.__name__}{hint}")
 
 
 class Block:
@@ -72,6 +102,15 @@ class Block:
     def map_rows(self, state: Any, fn: Callable[[Tensor], Tensor], batch: int) -> Any:
         """Reorder / select batch rows of this block's layer state (beam search, `batch_select_indices`)."""
         return map_row_tensors(state, fn, batch)
+
+    # arithmetic is for scorers only (`kvcompose.scorers.Scorer` overrides these): any other block in an
+    # expression such as `0.5 * Recency() - TopK()` is refused by name instead of Python's operand TypeError
+    def _not_a_scorer(self, *_: Any) -> Any:
+        raise KVComposeError(f"{self!r} is {'an' if role_of(self)[0] in 'AEIOU' else 'a'} {role_of(self)}, not a "
+                             "Scorer: only scorers combine with arithmetic (e.g. 0.5 * Recency() - 0.5 * KeyNorm()); "
+                             "give the other blocks to the Pipeline")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __neg__ = _not_a_scorer
 
     @property
     def takes_state(self) -> bool:

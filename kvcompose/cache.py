@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache
 from . import attention as _attn
 from . import compat
 from .layer import CacheStats, ComposeLayer, CoreConfig
+from .block import Block, role_of
 from .pipeline import Pipeline
 from .prefetch import Prefetcher
 from .view import KVComposeError
@@ -155,7 +156,8 @@ class KVComposeCache(Cache):
     ):
         pipeline = pipeline if pipeline is not None else Pipeline()
         if not isinstance(pipeline, Pipeline):
-            raise KVComposeError(f"pipeline must be a kvcompose Pipeline, got {type(pipeline).__name__}")
+            hint = f": wrap blocks in one, e.g. Pipeline({pipeline!r}, ...)" if isinstance(pipeline, Block) else ""
+            raise KVComposeError(f"pipeline must be a kvcompose Pipeline, got {role_of(pipeline)}{hint}")
         check_budget(budget)
         interval = check_interval(interval if interval is not None else (pipeline.interval or DEFAULT_INTERVAL))
         if isinstance(seed, bool) or not isinstance(seed, int):

@@ -24,7 +24,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .allocators import Allocator, Uniform
-from .block import Block, Observer
+from .block import Block, Observer, role_of
 from .protectors import Protector, ProtectPrompt
 from .scorers import Scorer
 from .selectors import Selector
@@ -56,6 +56,19 @@ class Selection:
     protected: Int[Tensor, "B H"] | None = None
 
 
+def _check_blocks(blocks: tuple, where: str) -> None:
+    """Refuse anything that is not a block of one of the five roles, naming what it is."""
+    for b in blocks:
+        if isinstance(b, Pipeline):
+            raise KVComposeError(f"{where}: got the pipeline {b!r}, which is not a block: a pipeline holds blocks "
+                                 "(Scorer, Protector, Selector, Allocator, TierStore); use pipeline.replace(...) "
+                                 "to change the blocks of a pipeline")
+        if not isinstance(b, _ROLES):
+            what = f"{role_of(b)} {b!r}" if isinstance(b, Block) else type(b).__name__
+            raise KVComposeError(f"{where}: got {what[:120]}, which is not a kvcompose block of one of the roles "
+                                 "Scorer, Protector, Selector, Allocator, TierStore")
+
+
 def _flatten(block: Block, leaves: list[Block]) -> Any:
     """Append the leaves of `block` to `leaves`; return its index tree (an int for a leaf, a tuple else)."""
     kids = block.children()
@@ -83,9 +96,7 @@ class Pipeline:
 
     def __init__(self, *blocks: Scorer | Protector | Selector | Allocator | TierStore, name: str | None = None,
                  interval: int | None = None):
-        bad = [type(b).__name__ for b in blocks if not isinstance(b, _ROLES)]
-        if bad:
-            raise KVComposeError(f"Pipeline got objects that are not kvcompose blocks: {bad}")
+        _check_blocks(blocks, "Pipeline")
         scorers = [b for b in blocks if isinstance(b, Scorer)]
         protectors = [b for b in blocks if isinstance(b, Protector)]
         selectors = [b for b in blocks if isinstance(b, Selector)]
@@ -185,9 +196,12 @@ class Pipeline:
     def replace(self, *blocks: Block, name: str | None = None, interval: int | None = None) -> "Pipeline":
         """The same pipeline with parts swapped: each given Scorer, Selector, Allocator or TierStore replaces
         the part of its role; given Protectors replace all protectors."""
-        bad = [type(b).__name__ for b in blocks if not isinstance(b, _ROLES)]
-        if bad:
-            raise KVComposeError(f"replace got objects that are not kvcompose blocks: {bad}")
+        _check_blocks(blocks, "Pipeline.replace")
+        for role in (Scorer, Selector, Allocator, TierStore):
+            same = [b for b in blocks if isinstance(b, role)]
+            if len(same) > 1:
+                raise KVComposeError(f"Pipeline.replace got {len(same)} blocks of the role {role.__name__} "
+                                     f"({', '.join(map(repr, same))}); a pipeline has one {role.__name__}: give one")
         new_prot = [b for b in blocks if isinstance(b, Protector)]
         pick = lambda role, cur: next((b for b in blocks if isinstance(b, role)), cur)  # noqa: E731
         parts = [*(new_prot if new_prot else self.protectors), pick(Scorer, self.scorer), pick(Selector, self.selector),

@@ -16,7 +16,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .attention import attention_probs
-from .block import Block
+from .block import Block, require_role
 from .kernels import key_redundancy, value_magnitude, window_attention_scores
 from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
 
@@ -57,18 +57,22 @@ class Scorer(Block):
         return self + other
 
     def __sub__(self, other: "Scorer | float") -> "Scorer":
-        return self + (-1.0) * other
+        return self + (-1.0) * _term(other)
 
     def __rsub__(self, other: "Scorer | float") -> "Scorer":
         return (-1.0) * self + other
 
     def __mul__(self, weight: float) -> "Scorer":
-        if not isinstance(weight, (int, float)):
-            raise KVComposeError("a scorer can only be scaled by a number")
-        return Combined(((self, float(weight)),), 0.0)
+        return Combined(((self, _weight(weight)),), 0.0)
 
     def __rmul__(self, weight: float) -> "Scorer":
         return self * weight
+
+    def __truediv__(self, weight: float) -> "Scorer":
+        w = _weight(weight)
+        if w == 0.0:
+            raise KVComposeError("a scorer cannot be divided by 0")
+        return self * (1.0 / w)
 
     def __neg__(self) -> "Scorer":
         return self * -1.0
@@ -82,8 +86,11 @@ class Combined(Scorer):
     """A weighted sum of scorers plus a constant: `sum_i w_i * s_i(view) + c`."""
 
     def __init__(self, terms: tuple[tuple[Scorer, float], ...], constant: float = 0.0):
-        self.terms = terms
-        self.constant = constant
+        for s, w in terms:
+            require_role(s, Scorer, "Combined", ": a weighted sum adds scorers only")
+            _weight(w)
+        self.terms = tuple((s, float(w)) for s, w in terms)
+        self.constant = float(_weight(constant))
 
     @staticmethod
     def of(s: Scorer, w: float) -> "Combined":
@@ -97,16 +104,14 @@ class Combined(Scorer):
         return tuple(s for s, _ in self.terms)
 
     def __add__(self, other: "Scorer | float") -> "Scorer":
-        if isinstance(other, (int, float)):
-            return Combined(self.terms, self.constant + float(other))
+        other = _term(other)
         if not isinstance(other, Scorer):
-            return NotImplemented
+            return Combined(self.terms, self.constant + other)
         o = Combined.of(other, 1.0)
         return Combined(self.terms + o.terms, self.constant + o.constant)
 
     def __mul__(self, weight: float) -> "Scorer":
-        if not isinstance(weight, (int, float)):
-            raise KVComposeError("a scorer can only be scaled by a number")
+        weight = _weight(weight)
         return Combined(tuple((s, w * weight) for s, w in self.terms), self.constant * weight)
 
     def score(self, view: LayerView, state: tuple | None = None) -> Float[Tensor, "B H T"]:
@@ -121,6 +126,27 @@ class Combined(Scorer):
         if self.constant:
             parts.append(f"{self.constant:g}")
         return " + ".join(parts)
+
+
+def _weight(w: Any) -> float:
+    """A scorer's weight or constant: a real number (a block here is a scorer mixed with another role)."""
+    if isinstance(w, Block) and not isinstance(w, Scorer):
+        w._not_a_scorer()
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or w != w:
+        raise KVComposeError((f"a scorer can only be scaled by a number, got {type(w).__name__} {w!r}"
+                              + (" (a product of scorers is not a scorer)" if isinstance(w, Scorer) else ""))[:200])
+    return float(w)
+
+
+def _term(x: Any) -> "Scorer | float":
+    """The other operand of `+` / `-`: a scorer, or a number (the constant term)."""
+    if isinstance(x, Scorer):
+        return x
+    if isinstance(x, Block):
+        x._not_a_scorer()
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise KVComposeError(f"scorers add only scorers and numbers, got {type(x).__name__}")
+    return float(x)
 
 
 def _causal_mask(

@@ -20,7 +20,7 @@ from typing import Literal
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from .block import Block
+from .block import Block, require_role
 from .view import KVComposeError
 
 __all__ = ["Selector", "TopK", "Sample", "RandomDrop", "BlockGranular", "indices_from_priority", "priority_order"]
@@ -210,8 +210,9 @@ class BlockGranular(Selector):
 
     def __init__(self, inner: Selector, block: int = 16, reduce: Literal["mean", "max"] = "mean",
                  per_head: bool = True):
-        if not isinstance(inner, Selector) or isinstance(inner, BlockGranular):
-            raise KVComposeError(f"BlockGranular wraps a token-level Selector, got {type(inner).__name__}")
+        require_role(inner, Selector, "BlockGranular", ": it wraps a token-level selector (TopK, Sample, RandomDrop)")
+        if isinstance(inner, BlockGranular):
+            raise KVComposeError(f"BlockGranular wraps a token-level Selector, got {inner!r}")
         if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
             raise KVComposeError(f"BlockGranular: block must be a positive int, got {block!r}")
         if reduce not in ("mean", "max"):

@@ -28,3 +28,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def unchecked():
+    """Turn off the session's jaxtyping + beartype checks for one test: it exercises kvcompose's own argument
+    checks (the errors a user without the checker sees) instead of the checker's."""
+    import jaxtyping
+
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", False)

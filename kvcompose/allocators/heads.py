@@ -9,7 +9,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from ..block import LayerSchedule
+from ..block import LayerSchedule, require_role
 from ..kernels import window_attention_scores
 from ..view import FAR_POSITION, KVComposeError, LayerSpec, LayerView
 from .base import Allocator, _check_budget, _is_int, _share, round_to_total
@@ -54,8 +54,10 @@ class HeadUtility(Allocator):
 
     def __init__(self, layers: Allocator | None = None, floor: int | float = 0.25,
                  utility: Literal["mass", "entropy"] = "mass", window: int = 32, page_size: int = 16):
-        if layers is not None and (not isinstance(layers, Allocator) or not layers.uniform
-                                   or not isinstance(layers, LayerSchedule)):
+        if layers is not None:
+            require_role(layers, Allocator, "HeadUtility(layers=...)", ": layers takes a per-layer allocator "
+                         "(e.g. ReasoningWave, Pyramid)")
+        if layers is not None and (not layers.uniform or not isinstance(layers, LayerSchedule)):
             raise KVComposeError("HeadUtility: layers must be a per-layer Allocator (e.g. ReasoningWave, Pyramid)")
         if isinstance(floor, bool) or not isinstance(floor, (int, float)):
             raise KVComposeError(f"HeadUtility: floor must be an int or a float share, got {floor!r}")

@@ -49,6 +49,7 @@ from transformers.cache_utils import Cache
 
 from .. import attention as _attn
 from .. import compat
+from ..block import Block, require_role, role_of
 from ..cache import check_budget, check_interval, check_model
 from ..layer import CacheStats, CoreConfig
 from ..pipeline import Pipeline
@@ -156,11 +157,13 @@ class BranchCache(Cache):
         elif isinstance(scorer, Scorer):
             pipeline = Pipeline(scorer, TopK())
         else:
-            raise KVComposeError(f"scorer must be a kvcompose Scorer or Pipeline, got {type(scorer).__name__}")
+            what = f"{scorer!r}, {role_of(scorer)}" if isinstance(scorer, Block) else type(scorer).__name__
+            raise KVComposeError(f"scorer must be a kvcompose Scorer or Pipeline, got {what}"
+                                 + (": give a selector inside a Pipeline, e.g. Pipeline(KeyNorm(), TopK())"
+                                    if isinstance(scorer, Block) else ""))
         if tier is None:
             tier = pipeline.tier if pipeline.tier.holds_tokens else HostTier()
-        if not isinstance(tier, TierStore):
-            raise KVComposeError(f"tier must be a kvcompose TierStore (HostTier(), Evict(), ...), got {type(tier).__name__}")
+        require_role(tier, TierStore, "BranchCache(tier=...)", " (HostTier(), CompressedTier(), Evict(), ...)")
         if tier is not pipeline.tier:
             pipeline = pipeline.replace(tier, name=pipeline.name)
         if active_budget is not None:

@@ -17,6 +17,8 @@ import os
 from typing import Literal
 
 from ..allocators import Allocator, GrowPage, HeadUtility, Pyramid, ReasoningWave, Uniform
+from ..block import Block, require_role, role_of
+from ..tiers import TierStore
 from ..pipeline import Pipeline
 from ..protectors import ProtectRecent
 from ..view import KVComposeError
@@ -28,12 +30,24 @@ __all__ = ["with_allocator", "pyramid_rkv", "reason_alloc", "growpage"]
 def with_allocator(base: Pipeline, allocator: Allocator, name: str | None = None) -> Pipeline:
     """The blocks of `base` (protectors, scorer, selector, tier) with `allocator` instead of `Uniform`."""
     if not isinstance(base, Pipeline):
-        raise KVComposeError(f"base must be a kvcompose Pipeline, got {type(base).__name__}")
+        raise KVComposeError(f"with_allocator: base must be a kvcompose Pipeline, got {role_of(base)}")
+    require_role(allocator, Allocator, "with_allocator",
+                 ": a tier goes in with methods.with_tier(pipeline, tier)" if isinstance(allocator, TierStore) else "")
     if not base.compresses:
         raise KVComposeError(f"{base!r} never compresses: an allocator needs a pipeline with a selector")
     if not isinstance(base.allocator, Uniform):
         raise KVComposeError(f"{base!r} already has the allocator {base.allocator!r}; give a base with the default one")
     return base.replace(allocator, name=name or f"{base!r} + {allocator!r}")
+
+
+def _base(base: Pipeline | None, who: str) -> Pipeline:
+    """The base pipeline of an allocation preset (R-KV by default), refused by name when it is not one."""
+    if base is None:
+        return rkv()
+    if not isinstance(base, Pipeline):
+        raise KVComposeError(f"{who}: base must be a kvcompose Pipeline (e.g. methods.rkv()), got {role_of(base)}"
+                             + (f" {base!r}" if isinstance(base, Block) else ""))
+    return base
 
 
 def _recent_window(base: Pipeline, default: int = 8) -> int:
@@ -47,7 +61,7 @@ def pyramid_rkv(base: Pipeline | None = None, window: int | None = None, beta: i
 
     Cai et al., "PyramidKV", arXiv 2406.02069. `window` defaults to the base's protected recent window (R-KV: 8).
     """
-    base = base if base is not None else rkv()
+    base = _base(base, "pyramid_rkv")
     w = _recent_window(base) if window is None else window
     return with_allocator(base, Pyramid(window=w, beta=beta), name=f"pyramid({base!r}, w={w}, beta={beta:g})")
 
@@ -69,7 +83,7 @@ def reason_alloc(base: Pipeline | None = None, profile: str | os.PathLike | dict
         >>> methods.reason_alloc(base=methods.rkv())                       # the shipped profile, if any
         >>> methods.reason_alloc(base=methods.snapkv(), profile="my_model.json")
     """
-    base = base if base is not None else rkv()
+    base = _base(base, "reason_alloc")
     layers = None
     tag = "heads"
     if isinstance(profile, str) and profile == "auto":
@@ -104,7 +118,7 @@ def growpage(base: Pipeline | None = None, page: int = 16, initial: int | float 
     `initial * budget` and, each time a request's pages are full, it takes one more page (when fast/slow query
     summaries say its attention working set needs it and the layer's cap of `cap * B * budget` tokens per KV
     head allows) or compresses, leaving `room` free slots (one page). See `GrowPage`."""
-    base = base if base is not None else rkv()
+    base = _base(base, "growpage")
     alloc = GrowPage(page=page, initial=initial, cap=cap, floor=floor, room=room, coverage=coverage, fast=fast,
                      slow=slow, shrink=shrink, window=window, spread=spread, heads=heads)
     return with_allocator(base, alloc, name=f"growpage({base!r}, page={page}, cap={cap:g})")

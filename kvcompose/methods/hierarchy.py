@@ -11,7 +11,8 @@ and the newest `recent` tokens ranked first, and int8 KIVI quantization for the 
 
 from __future__ import annotations
 
-from ..allocators import SeenShare
+from ..allocators import Allocator, SeenShare
+from ..block import require_role, role_of
 from ..pipeline import Pipeline
 from ..protectors import ProtectPrompt, ProtectRecent
 from ..scorers import AccumulatedAttention
@@ -60,7 +61,8 @@ def with_tier(pipeline: Pipeline, tier: TierStore) -> Pipeline:
         >>> p = with_tier(methods.vase(), HostTier())
     """
     if not isinstance(pipeline, Pipeline):
-        raise KVComposeError(f"with_tier needs a Pipeline, got {type(pipeline).__name__}")
-    if not isinstance(tier, TierStore):
-        raise KVComposeError(f"with_tier needs a TierStore, got {type(tier).__name__}")
+        raise KVComposeError(f"with_tier: pipeline must be a kvcompose Pipeline, got {role_of(pipeline)}")
+    require_role(tier, TierStore, "with_tier",
+                 ": an allocator goes in with methods.with_allocator(pipeline, allocator)"
+                 if isinstance(tier, Allocator) else "")
     return pipeline.replace(tier, name=f"{pipeline.name} + {tier!r}" if pipeline.name else None)

@@ -41,6 +41,7 @@ from torch import Tensor
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from ..allocators import Allocator, Uniform, layer_budget
+from ..block import require_role
 from ..cache import KVComposeCache
 from ..pipeline import Pipeline
 from ..selectors import TopK
@@ -140,8 +141,7 @@ class RewardAllocator(Allocator):
         if batch not in ("min", "max", "row"):
             raise KVComposeError(f"batch must be 'min', 'max' or 'row', got {batch!r}")
         if inner is not None:
-            if not isinstance(inner, Allocator):
-                raise KVComposeError(f"inner must be a kvcompose Allocator, got {type(inner).__name__}")
+            require_role(inner, Allocator, "RewardAllocator(inner=...)")
             if isinstance(inner, RewardAllocator):
                 raise KVComposeError("inner is already a RewardAllocator: wrap the underlying allocator once")
             if not inner.uniform:

@@ -35,7 +35,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from ..block import Block
+from ..block import Block, require_role
 from ..scorers import Scorer
 from ..view import FAR_POSITION, AttentionStep, KVComposeError, LayerView
 from .tracker import RewardTracker
@@ -207,8 +207,8 @@ class Lexicographic(Scorer):
     """
 
     def __init__(self, first: Scorer, then: Scorer):
-        if not isinstance(first, Scorer) or not isinstance(then, Scorer):
-            raise KVComposeError("Lexicographic takes two scorers")
+        require_role(first, Scorer, "Lexicographic (first)", ": it ranks by two scorers")
+        require_role(then, Scorer, "Lexicographic (then)", ": it ranks by two scorers")
         self.first, self.then = first, then
 
     @property

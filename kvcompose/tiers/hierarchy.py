@@ -9,6 +9,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from ..block import require_role
 from ..view import FAR_POSITION, KVComposeError
 from .base import TierStore, TierTokens, bump, track
 from .compressed import CompressedTier
@@ -73,10 +74,10 @@ class Hierarchy(TierStore):
         if self.compressed_ratio + self.evict_ratio > 1.0 + 1e-9:
             raise KVComposeError(f"compressed_ratio + evict_ratio must be at most 1, got "
                                  f"{self.compressed_ratio} + {self.evict_ratio}")
-        if host is not None and not isinstance(host, HostTier):
-            raise KVComposeError(f"host must be a HostTier, got {type(host).__name__}")
-        if compressed is not None and not isinstance(compressed, CompressedTier):
-            raise KVComposeError(f"compressed must be a CompressedTier, got {type(compressed).__name__}")
+        if host is not None:
+            require_role(host, HostTier, "Hierarchy(host=...)")
+        if compressed is not None:
+            require_role(compressed, CompressedTier, "Hierarchy(compressed=...)")
         self.host = host if host is not None else HostTier()
         self.compressed = compressed if compressed is not None else CompressedTier(bits=8)
 
