@@ -217,6 +217,31 @@ class KVComposeCache(Cache):
         garbage-collected, if no other kvcompose cache uses the model)."""
         _attn.release(self)
 
+    # -- rolling back --------------------------------------------------------------------------------
+    # transformers' deferred stop check (MPS) decodes one token too many and crops it afterwards, for caches
+    # that say they are croppable; a kvcompose crop may be refused (below), so generate must not count on it
+    is_croppable = False
+
+    @_no_trace
+    def crop(self, max_length: int) -> None:
+        """Remove the newest `-max_length` tokens (a positive value keeps that many tokens seen), exactly:
+        afterwards the cache is what a fresh cache fed only the tokens before them would be, and decoding on
+        gives the same tokens. When that is impossible (a compression event since the crop point evicted
+        tokens a fresh run would still hold, an observer such as H2O's accumulated attention saw the removed
+        tokens, or the query window dropped queries a fresh run would still read), raises `KVComposeError`
+        naming the reason, and the cache is unchanged (every layer is checked before any is cropped). To come
+        back to a point later whatever happens in between, `copy.deepcopy(cache)` there."""
+        counts = {layer.crop_count(max_length) for layer in self.layers}
+        n = max(counts)
+        if n == 0:
+            return
+        for layer in self.layers:
+            reason = layer.crop_refusal(n)
+            if reason is not None:
+                raise KVComposeError(f"cannot crop {n} tokens: {reason}")
+        for layer in self.layers:
+            layer.apply_crop(n)
+
     # -- budgets ----------------------------------------------------------------------------------
     def layer_budget(self, layer_idx: int) -> int | None:
         """The token budget of one layer now (the allocator may vary it by layer and by tokens seen)."""

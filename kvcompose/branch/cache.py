@@ -410,6 +410,7 @@ class BranchCache(Cache):
         _attn.release(self)
 
     kvcompose_attention = True  # kvcompose.attention routes calls that carry this cache to its layers
+    is_croppable = False  # crop is refused (branch with fork()); transformers' deferred stop check must not use it
 
     def activate_past_recording(self, *args, **kwargs):
         """Called by transformers (5.23+) before assisted / prompt-lookup decoding: refused."""

@@ -184,7 +184,8 @@ class BranchLayer(ComposeLayer):
         self._refuse("batch_select_indices")
 
     def crop(self, tokens_to_remove: int) -> None:
-        self._refuse("crop (assisted decoding)")
+        raise KVComposeError("BranchCache does not crop (nor assisted decoding, which crops): to come back to a point "
+                             "of a branch, fork() there (nothing is copied) and switch() to that branch later")
 
     def offload(self):
         raise KVComposeError("BranchCache manages its own host tier; pass tier=HostTier()")
