@@ -20,8 +20,11 @@ from jaxtyping import Int
 from torch import Tensor
 from transformers.cache_utils import Cache
 
+import weakref
+
 from . import attention as _attn
 from . import compat
+from . import copying as _copying
 from .layer import CacheStats, ComposeLayer, CoreConfig
 from .block import Block, role_of
 from .pipeline import Pipeline
@@ -182,10 +185,10 @@ class KVComposeCache(Cache):
                                compress_prefill=compress_prefill, seed=seed, prefetcher=self.prefetcher,
                                stats=self.stats, reserve=reserve)
         _attn.install(model, owner=self)
+        self._model = weakref.ref(model)
         windows = {a.index: a.sliding_window for a in self.attention.layers if a.kind == "sliding"}
         layers = [ComposeLayer(self.core, i, owner=self, sliding_window=windows.get(i)) for i in range(self.num_layers)]
-        for layer in layers:
-            layer.peers = layers
+        _copying.link_layers(self, layers)
         super().__init__(layers=layers)
 
     kvcompose_attention = True  # kvcompose.attention routes calls that carry this cache to its layers
@@ -193,10 +196,14 @@ class KVComposeCache(Cache):
     # -- transformers Cache API, never traced by torch.compile -----------------------------------
     @_no_trace
     def update(self, *args, **kwargs):
+        if self._model is None:
+            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
         return super().update(*args, **kwargs)
 
     @_no_trace
     def get_seq_length(self, *args, **kwargs) -> int:
+        if self._model is None:
+            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
         _attn.check_consumed(self)  # generate asks before every step: a layer whose attention never ran raises
         return super().get_seq_length(*args, **kwargs)
 
@@ -216,6 +223,45 @@ class KVComposeCache(Cache):
         """Give the model its previous attention implementation back now (also done when the cache is
         garbage-collected, if no other kvcompose cache uses the model)."""
         _attn.release(self)
+
+    # -- copying: copy.deepcopy, pickle, torch.save (kvcompose.copying) ----------------------------------
+    def __copy__(self):
+        raise KVComposeError("copy.copy(cache) would share the cache's layers with the original; "
+                             "use copy.deepcopy(cache) for an independent copy that shares the model")
+
+    def __deepcopy__(self, memo: dict) -> "KVComposeCache":
+        """An independent cache that shares the model and decodes exactly as this one would from here."""
+        return _copying.deepcopy_cache(self, memo, drop=("_model",))
+
+    def __getstate__(self) -> dict:
+        """Pickle / torch.save: the state without the model; the loaded cache needs `bind(model)`."""
+        _copying.check_picklable(self)
+        return _copying.cache_state(self, drop=("_model",))
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._model = None  # unbound until bind(model)
+        _copying.link_layers(self, self.layers)
+
+    def bound_model(self):
+        """The model this cache decodes with (None for a cache loaded from a pickle before `bind`)."""
+        return None if self._model is None else self._model()
+
+    def bind(self, model) -> "KVComposeCache":
+        """Attach a cache loaded with pickle / `torch.load` to its model (the one it was built for, or one of the
+        same architecture and weights: the cache holds that model's keys and values). Switches the model to
+        kvcompose's attention as the constructor does. Returns the cache."""
+        current = self.bound_model()
+        if current is model:
+            return self
+        if current is not None:
+            raise KVComposeError("this cache is bound to another model; copy.deepcopy(cache) shares its model")
+        config, attention = check_model(model)
+        _copying.check_same_model(self, model, config)
+        _attn.install(model, owner=self)
+        self.attention = attention
+        self._model = weakref.ref(model)
+        return self
 
     # -- rolling back --------------------------------------------------------------------------------
     # transformers' deferred stop check (MPS) decodes one token too many and crops it afterwards, for caches

@@ -27,6 +27,7 @@ from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
 from . import attention as _attn
+from . import copying as _copying
 from .compat import no_trace
 from .allocators import layer_budget as _layer_budget
 from .kernels import paged_decode_attention, select_backend
@@ -82,6 +83,13 @@ class ComposeLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None  # keeps its own window; never compressed beyond it
         self.reset()
+
+    # -- copying (the cache re-links a copy's layers: kvcompose.copying.link_layers) ------------------------
+    def __getstate__(self) -> dict:
+        return _copying.layer_state(self)
+
+    def __setstate__(self, state: dict) -> None:
+        _copying.restore_layer(self, state)
 
     # -- state ----------------------------------------------------------------------------------------
     def reset(self) -> None:

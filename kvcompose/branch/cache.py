@@ -49,6 +49,7 @@ from transformers.cache_utils import Cache
 
 from .. import attention as _attn
 from .. import compat
+from .. import copying as _copying
 from ..block import Block, require_role, role_of
 from ..cache import check_budget, check_interval, check_model
 from ..layer import CacheStats, CoreConfig
@@ -63,10 +64,36 @@ from .tree import BranchLayer, BranchMemory, _Node
 
 __all__ = ["BranchCache"]
 
+_UNCOPIED = ("model", "_hooks", "_finalizer")  # shared (the model) or registered again for a copy (its hooks)
+
 
 def _remove_handles(handles: list) -> None:
     for h in handles:
         h.remove()
+
+
+def _install_hooks(cache: "BranchCache", model) -> None:
+    """Forward hooks on the model: capture token ids / position ids, rehydrate lazily, enforce the budget after
+    each forward. Removed when the cache goes (or `close()`); a copy of the cache installs its own."""
+    ref = weakref.ref(cache)
+
+    # A dead cache's finalizer may remove these hooks while torch is already iterating over them (garbage
+    # collection inside a forward); torch then calls them without kwargs, so both accept that and do nothing.
+    def pre(module, args, kwargs=None):
+        c = ref()
+        if c is not None and kwargs is not None and compat.forward_cache(kwargs) is c:
+            c._before_forward(kwargs)
+
+    def post(module, args, *rest):
+        c = ref()
+        kwargs = rest[0] if len(rest) == 2 else None
+        if c is not None and kwargs is not None and compat.forward_cache(kwargs) is c:
+            c._after_forward()
+
+    handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
+               model.register_forward_hook(post, with_kwargs=True)]
+    cache._hooks = handles
+    cache._finalizer = weakref.finalize(cache, _remove_handles, handles)
 
 
 class BranchCache(Cache):
@@ -194,8 +221,7 @@ class BranchCache(Cache):
         _attn.install(model, owner=self)
         windows = {a.index: a.sliding_window for a in self.attention.layers if a.kind == "sliding"}
         layers = [BranchLayer(self.core, i, self, sliding_window=windows.get(i)) for i in range(self.num_layers)]
-        for layer in layers:
-            layer.peers = layers
+        _copying.link_layers(self, layers, tree=True)
         super().__init__(layers=layers)
         # the tree
         self._next_node = 0
@@ -214,26 +240,7 @@ class BranchCache(Cache):
         self._resuming = False
         self.compressions = 0
         self._peak = {"device": 0, "held": 0, "host": 0, "total": 0}
-        # hooks: capture token ids / position ids, rehydrate lazily, enforce the budget after each forward
-        ref = weakref.ref(self)
-
-        # A dead cache's finalizer may remove these hooks while torch is already iterating over them (garbage
-        # collection inside a forward); torch then calls them without kwargs, so both accept that and do nothing.
-        def pre(module, args, kwargs=None):
-            c = ref()
-            if c is not None and kwargs is not None and compat.forward_cache(kwargs) is c:
-                c._before_forward(kwargs)
-
-        def post(module, args, *rest):
-            c = ref()
-            kwargs = rest[0] if len(rest) == 2 else None
-            if c is not None and kwargs is not None and compat.forward_cache(kwargs) is c:
-                c._after_forward()
-
-        handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
-                   model.register_forward_hook(post, with_kwargs=True)]
-        self._hooks = handles
-        self._finalizer = weakref.finalize(self, _remove_handles, handles)
+        _install_hooks(self, model)
 
     # -- public API ---------------------------------------------------------------------------------
     @property
@@ -420,8 +427,55 @@ class BranchCache(Cache):
         return (f"BranchCache(budget={self.budget}, keep={self.keep}, scorer={self.pipeline!r}, tier={self.tier!r}, "
                 f"branches={len(self._branches)}, active={self._active})")
 
+    # -- copying: copy.deepcopy, pickle, torch.save (kvcompose.copying) ----------------------------------
+    def __copy__(self):
+        raise KVComposeError("copy.copy(cache) would share the tree with the original; use copy.deepcopy(cache) "
+                             "for an independent copy that shares the model (or fork() a branch: no copy at all)")
+
+    def __deepcopy__(self, memo: dict) -> "BranchCache":
+        """An independent tree (every branch, node, tier and value) that shares the model and decodes exactly as
+        this one would from here."""
+        return _copying.deepcopy_cache(self, memo, drop=_UNCOPIED)
+
+    def __getstate__(self) -> dict:
+        """Pickle / torch.save: the tree without the model and its hooks; the loaded cache needs `bind(model)`."""
+        _copying.check_picklable(self)
+        state = _copying.cache_state(self, drop=_UNCOPIED)
+        state["_incoming"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._hooks, self._finalizer = [], None
+        _copying.link_layers(self, self.layers, tree=True)
+
+    def bound_model(self):
+        """The model this cache decodes with (None for a cache loaded from a pickle before `bind`)."""
+        return self.model
+
+    def bind(self, model) -> "BranchCache":
+        """Attach a cache loaded with pickle / `torch.load` to its model (the one it was built for, or one of the
+        same architecture and weights): kvcompose's attention and the cache's forward hooks. Returns the cache."""
+        if self.model is model and self._finalizer is not None:
+            return self
+        if self.model is not None and self._finalizer is not None:
+            raise KVComposeError("this cache is bound to another model; copy.deepcopy(cache) shares its model")
+        config, attention = check_model(model)
+        _copying.check_same_model(self, model, config)
+        _attn.install(model, owner=self)
+        _install_hooks(self, model)
+        self.model, self.attention = model, attention
+        return self
+
+    def update(self, *args, **kwargs):
+        if self._finalizer is None:
+            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
+        return super().update(*args, **kwargs)
+
     # -- transformers Cache API -----------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self._finalizer is None:
+            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
         return self._seq_length()
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:

@@ -129,6 +129,12 @@ class HostStash:
             ev.record(side)
         return PendingCopy(out, ev)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (deepcopy, pickle) takes the content once the copies into the buffers finished; not the event."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return {**self.__dict__, "_ready": None}
+
     def get(self) -> dict[str, Tensor]:
         """The content on the device, ready for the current stream."""
         return self.start().wait()
