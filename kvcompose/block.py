@@ -86,10 +86,13 @@ class Block:
     Class attributes:
         token_state: float32 channels per held token this block keeps (0: none).
         query_window: how many recent post-RoPE queries the block reads (the layer keeps a ring buffer).
+        draws_random: the block draws from the layer's seeded generator (`LayerView.generator`), so the
+            cache's `seed` changes what it does (a cache warns about a seed for a pipeline without one).
     """
 
     token_state: int = 0
     query_window: int = 0
+    draws_random: bool = False  # True: draws from the layer's seeded generator (the cache's `seed` matters)
 
     def init(self, spec: LayerSpec) -> Any:
         """The block's layer state for a fresh layer (None: stateless, or token state only)."""

@@ -13,6 +13,7 @@ with `compress_prefill=True`; otherwise a long prompt is first cut at decoded to
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -20,18 +21,17 @@ from jaxtyping import Int
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-import weakref
-
 from . import attention as _attn
 from . import compat
 from . import copying as _copying
+from .block import Block, EventTrigger, role_of
 from .layer import CacheStats, ComposeLayer, CoreConfig
-from .block import Block, role_of
 from .pipeline import Pipeline
 from .prefetch import Prefetcher
-from .view import KVComposeError
+from .view import KVComposeError, warn_unused
 
-__all__ = ["KVComposeCache", "MemoryReport", "CacheStats", "check_model", "check_interval", "check_budget"]
+__all__ = ["KVComposeCache", "MemoryReport", "CacheStats", "check_model", "check_interval", "check_budget",
+           "check_unused"]
 
 DEFAULT_INTERVAL = 64
 LIMIT = 2**31  # budgets and intervals beyond this are refused (no memory is reserved ahead, but indices are int32)
@@ -115,6 +115,38 @@ def check_budget(budget, name: str = "budget") -> int | None:
     return budget
 
 
+def check_unused(pipeline: Pipeline, attention, *, budget=None, interval=None, seed=0, compress_prefill=False,
+                 reserve=False, prefetcher=None, where: str = "KVComposeCache") -> None:
+    """Warn (`KVComposeWarning`) about every cache argument that cannot change what this pipeline does: a budget,
+    an interval or `compress_prefill` for a pipeline that never compresses, an interval for an allocator that
+    decides itself when to compress (GrowPage), a seed for a pipeline with no random block, `reserve` for paged
+    storage, a prefetcher for a pipeline whose tier holds no tokens. (A model with sliding-window layers uses
+    the interval for their window cuts whatever the pipeline.)"""
+    p = repr(pipeline)
+    sliding = bool(attention is not None and attention.sliding_layers)
+    if not pipeline.compresses:
+        if budget is not None:
+            warn_unused(f"{where}(budget={budget})", f"{p} never compresses (it keeps every token)", stacklevel=4)
+        if compress_prefill:
+            warn_unused(f"{where}(compress_prefill=True)", f"{p} never compresses", stacklevel=4)
+        if interval is not None and not sliding:
+            warn_unused(f"{where}(interval={interval})", f"{p} never compresses", stacklevel=4)
+        if reserve:
+            warn_unused(f"{where}(reserve=True)", f"{p} never compresses: its buffers grow with the sequence",
+                        stacklevel=4)
+    else:
+        if interval is not None and not sliding and isinstance(pipeline.allocator, EventTrigger) and pipeline.paged:
+            warn_unused(f"{where}(interval={interval})", f"{pipeline.allocator!r} decides itself when a row is "
+                        "compressed (when its pages are full), not every interval tokens", stacklevel=4)
+        if reserve and pipeline.paged:
+            warn_unused(f"{where}(reserve=True)", f"{p} stores its layers in pages, which are allocated as needed",
+                        stacklevel=4)
+    if seed and not pipeline.draws_random:
+        warn_unused(f"{where}(seed={seed})", f"no block of {p} draws random numbers", stacklevel=4)
+    if prefetcher is not None and not pipeline.tier.holds_tokens:
+        warn_unused(f"{where}(prefetcher=...)", f"the tier of {p} holds no tokens to bring back", stacklevel=4)
+
+
 class KVComposeCache(Cache):
     """A compressing KV cache for `model.generate(past_key_values=cache)`.
 
@@ -138,6 +170,9 @@ class KVComposeCache(Cache):
             VaSE 64; else 64).
         compress_prefill: also compress the prompt right after prefill (off by default).
         seed: seed of the per-layer random generators (random selectors are reproducible).
+
+    An argument that cannot change what the pipeline does (a budget for `methods.full()`, a seed for a pipeline
+    without random blocks, ...) is accepted with a `KVComposeWarning` naming why (`check_unused`).
         strict: also refuse model types that are not among the tested ones.
         prefetcher: brings tier tokens back before attention (default `Prefetcher()`).
         reserve: allocate each dense layer's `budget + interval` slots at once (fixed-capacity buffers, for
@@ -162,6 +197,7 @@ class KVComposeCache(Cache):
             hint = f": wrap blocks in one, e.g. Pipeline({pipeline!r}, ...)" if isinstance(pipeline, Block) else ""
             raise KVComposeError(f"pipeline must be a kvcompose Pipeline, got {role_of(pipeline)}{hint}")
         check_budget(budget)
+        interval_given = interval
         interval = check_interval(interval if interval is not None else (pipeline.interval or DEFAULT_INTERVAL))
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise KVComposeError(f"seed must be an int, got {seed!r}")
@@ -169,6 +205,8 @@ class KVComposeCache(Cache):
             raise KVComposeError(f"prefetcher must be a kvcompose Prefetcher, got {type(prefetcher).__name__}")
         pipeline.validate(budget)
         config, self.attention = check_model(model, strict)
+        check_unused(pipeline, self.attention, budget=budget, interval=interval_given, seed=seed,
+                     compress_prefill=compress_prefill, reserve=reserve, prefetcher=prefetcher)
         self.model_type = getattr(config, "model_type", None)
         self.pipeline = pipeline
         self.budget = budget

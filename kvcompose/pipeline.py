@@ -29,7 +29,7 @@ from .protectors import Protector, ProtectPrompt
 from .scorers import Scorer
 from .selectors import Selector
 from .tiers import Evict, TierStore
-from .view import FAR_POSITION, AttentionStep, KVComposeError, LayerSpec, LayerView
+from .view import FAR_POSITION, AttentionStep, KVComposeError, LayerSpec, LayerView, warn_unused
 
 __all__ = ["Pipeline", "Selection"]
 
@@ -125,6 +125,8 @@ class Pipeline:
         if self.selector is None:
             if self.scorer is not None or self.protectors:
                 raise KVComposeError("Pipeline has a scorer or protectors but no selector to use them; add TopK(), Sample() or RandomDrop()")
+            if interval is not None:
+                warn_unused(f"Pipeline(interval={interval})", "a pipeline without a selector never compresses")
         else:
             if self.selector.needs_scores and self.scorer is None:
                 raise KVComposeError(f"{type(self.selector).__name__} needs scores but the pipeline has no scorer")
@@ -155,6 +157,11 @@ class Pipeline:
     def compresses(self) -> bool:
         """False for the full cache (no selector)."""
         return self.selector is not None
+
+    @property
+    def draws_random(self) -> bool:
+        """True when some block draws from the layer's seeded generator (the cache's `seed` then matters)."""
+        return any(b.draws_random for b in (*self.leaves, *self.parts, self.tier))
 
     @property
     def query_window(self) -> int:

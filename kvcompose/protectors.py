@@ -2,9 +2,10 @@
 
 Protected tokens count inside the budget. Each protector states an upper bound on how many tokens it
 protects (`max_count(budget)`), so a `Pipeline` can refuse, before any decoding, a set of protectors
-that could not fit. `ProtectPrompt` is the exception by design: it protects the prompt only up to the
-room the other protectors leave (`room`), keeping the first `sinks` and the newest prompt tokens when
-the prompt is longer than that room, so protection always leaves space for recent tokens.
+that could not fit. `ProtectPrompt` is adaptive by design: it protects the prompt only up to the room the
+other protectors leave (`room`), keeping the first `sinks` and the newest prompt tokens when the prompt is
+longer than that room, so protection always leaves space for recent tokens; its first `sinks` are a fixed
+count like the others (they are kept whatever room is left).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from .block import Block
 from .kernels import value_magnitude
-from .view import KVComposeError, LayerView
+from .view import KVComposeError, LayerView, warn_unused
 
 __all__ = ["Protector", "ProtectPrompt", "ProtectSinks", "ProtectRecent", "ProtectValueNorm", "resolve_count"]
 
@@ -111,7 +112,9 @@ class ProtectPrompt(Protector):
     prompt is protected only up to the room the other protectors of the pipeline leave (`room`, minus
     `leave`). A longer prompt keeps, with `keep="first"`, its first `room - leave` tokens (the reference's
     rule: `leave=1` leaves at least one slot to the random draw), or, with `keep="ends"` (default), its first
-    `sinks` tokens and its newest ones, since the question usually ends the prompt.
+    `sinks` tokens and its newest ones, since the question usually ends the prompt. The first `sinks` are
+    kept whatever room the other protectors leave: they count in `max_count`, so a budget that cannot hold
+    them next to the other protectors is refused when the cache is built.
 
     Args:
         limit: at most this many prompt tokens (int) or this share of the budget (float); None = the room.
@@ -128,13 +131,22 @@ class ProtectPrompt(Protector):
             raise KVComposeError("ProtectPrompt: sinks and leave must be >= 0")
         if keep not in ("ends", "first"):
             raise KVComposeError(f"ProtectPrompt: keep must be 'ends' or 'first', got {keep!r}")
+        if keep == "first" and sinks != 4:
+            warn_unused(f"ProtectPrompt(sinks={sinks})", "keep='first' keeps the first tokens of a long prompt, not "
+                        "its ends (sinks applies to keep='ends')")
         self.limit, self.sinks, self.leave, self.keep = limit, sinks, leave, keep
 
     def max_count(self, budget: int) -> int:
-        return 0  # adaptive: fills only the room others leave (see `protect`)
+        """The tokens it always keeps: the first `sinks` of a prompt that does not fit (`keep="ends"`); the rest
+        of the prompt is adaptive and fills only the room the other protectors leave (see `protect`)."""
+        if self.keep != "ends":
+            return 0
+        return self.sinks if self.limit is None else min(self.sinks, resolve_count(self.limit, budget))
 
     def protect(self, view, budget, room):
-        cap = max(room - self.leave, 0)
+        # the room left, but never less than the sinks it promises (counted in `max_count`, so a pipeline that
+        # validates its budget has room for them, and a tier that holds tokens keeps the overflow)
+        cap = max(room - self.leave, self.max_count(budget), 0)
         if self.limit is not None:
             cap = min(cap, resolve_count(self.limit, budget))
         prompt = view.is_prompt & view.valid

@@ -18,7 +18,7 @@ from torch import Tensor
 from .attention import attention_probs
 from .block import Block, require_role
 from .kernels import key_redundancy, value_magnitude, window_attention_scores
-from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
+from .view import AttentionStep, KVComposeError, LayerSpec, LayerView, warn_unused
 
 __all__ = [
     "Scorer",
@@ -233,6 +233,8 @@ class WindowedAttention(Scorer):
             raise KVComposeError(f"pooling kernel must be a positive odd number, got {kernel}")
         if exclude_recent < 0:
             raise KVComposeError("exclude_recent must be >= 0")
+        if pool == "none" and kernel != 5:
+            warn_unused(f"WindowedAttention(kernel={kernel})", "pool='none' pools nothing")
         self.window, self.gqa, self.pool, self.kernel, self.exclude_recent = window, gqa, pool, kernel, exclude_recent
 
     @property
@@ -343,6 +345,8 @@ class Recency(Scorer):
 class RandomScore(Scorer):
     """Independent uniform random scores per row, KV head and token, drawn from the layer's generator."""
 
+    draws_random = True
+
     def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
         gen = view.generator
         return torch.rand(view.shape, generator=gen, device=gen.device if gen is not None else view.device
@@ -368,6 +372,13 @@ class ProjectedNorm(Scorer):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
             raise KVComposeError(f"ProjectedNorm: rank must be a positive int, got {rank!r}")
         self.rank, self.fixed, self.seed = rank, bool(fixed), int(seed)
+        if not self.fixed and self.seed != 0:
+            warn_unused(f"ProjectedNorm(seed={seed})", "with fixed=False a fresh projection is drawn at every event "
+                        "from the layer's generator (the cache's seed)")
+
+    @property
+    def draws_random(self) -> bool:  # type: ignore[override]
+        return not self.fixed
 
     def init(self, spec: LayerSpec) -> Float[Tensor, "B 1 D R"] | None:
         if not self.fixed:

@@ -143,6 +143,8 @@ class Sample(Selector):
         eps: floor added to scores so zero-score tokens can still be drawn last.
     """
 
+    draws_random = True
+
     def __init__(self, temperature: float = 1.0, eps: float = 1e-12):
         if temperature <= 0:
             raise KVComposeError(f"temperature must be positive, got {temperature}")
@@ -171,6 +173,7 @@ class RandomDrop(Selector):
     """
 
     needs_scores = False
+    draws_random = True
 
     def __init__(self, shared_heads: bool = False):
         self.shared_heads = bool(shared_heads)
@@ -222,6 +225,10 @@ class BlockGranular(Selector):
 
     def children(self) -> tuple[Block, ...]:
         return (self.inner,)
+
+    @property
+    def draws_random(self) -> bool:  # type: ignore[override]
+        return self.inner.draws_random
 
     def priority(self, scores, valid, generator):
         return self.inner.priority(scores, valid, generator)

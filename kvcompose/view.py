@@ -7,13 +7,15 @@ D head dim, W buffered queries, Q new queries.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-__all__ = ["KVComposeError", "LayerView", "LayerSpec", "AttentionStep", "FAR_POSITION"]
+__all__ = ["KVComposeError", "KVComposeWarning", "warn_unused", "LayerView", "LayerSpec", "AttentionStep",
+           "FAR_POSITION"]
 
 FAR_POSITION = 2**40
 """Position of a padding slot of a ragged view (past a (row, head)'s tokens): later than any query, so causal
@@ -22,6 +24,16 @@ masks hide it, and every row's positions stay ascending."""
 
 class KVComposeError(ValueError):
     """Raised for bad input: a bad budget, incompatible blocks, an unsupported model, a device/dtype mix."""
+
+
+class KVComposeWarning(UserWarning):
+    """Warned for an argument that has no effect: a budget for a pipeline that never compresses, a seed for a
+    pipeline without random blocks, a preset option another option switches off, ..."""
+
+
+def warn_unused(what: str, why: str, stacklevel: int = 3) -> None:
+    """Warn (`KVComposeWarning`) that `what` (e.g. "budget=128") has no effect, and why."""
+    warnings.warn(f"{what} has no effect: {why}", KVComposeWarning, stacklevel=stacklevel)
 
 
 @dataclass(frozen=True)

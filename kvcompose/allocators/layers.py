@@ -98,7 +98,8 @@ class _PerLayer(Allocator):
         if not 0 <= layer_idx < num_layers:
             raise KVComposeError(f"layer {layer_idx} out of range for {num_layers} layers")
         if budget is None:
-            raise KVComposeError(f"{self!r} needs a cache budget (budget=...)")
+            raise KVComposeError(f"{self!r} shares a per-layer token budget between layers and got none: give the cache "
+                                 "a budget (KVComposeCache(budget=...), BranchCache(active_budget=...))")
         return self._schedule(num_layers, budget)[layer_idx]
 
     def allocate(self, view: LayerView, budget: int) -> Int[Tensor, "B H"]:

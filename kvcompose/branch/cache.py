@@ -59,7 +59,7 @@ from ..scorers import AccumulatedAttention, Scorer
 from ..selectors import TopK
 from ..stores import StoreView
 from ..tiers import Evict, HostTier, TierStore
-from ..view import FAR_POSITION, KVComposeError
+from ..view import FAR_POSITION, KVComposeError, warn_unused
 from .tree import BranchLayer, BranchMemory, _Node
 
 __all__ = ["BranchCache"]
@@ -70,6 +70,17 @@ _UNCOPIED = ("model", "_hooks", "_finalizer")  # shared (the model) or registere
 def _remove_handles(handles: list) -> None:
     for h in handles:
         h.remove()
+
+
+def _check_unused(pipeline: Pipeline, attention, interval, active_budget, host_limit, tier, seed) -> None:
+    """Warn (`KVComposeWarning`) about arguments that cannot change what the tree cache does."""
+    if interval is not None and active_budget is None and not attention.sliding_layers:
+        warn_unused(f"BranchCache(interval={interval})", "without active_budget the active path is never compressed "
+                    "on a schedule (inactive nodes are compressed when the tree exceeds budget)", stacklevel=4)
+    if host_limit is not None and not tier.holds_tokens:
+        warn_unused(f"BranchCache(host_limit={host_limit})", f"the tier {tier!r} holds no tokens", stacklevel=4)
+    if seed and not pipeline.draws_random:
+        warn_unused(f"BranchCache(seed={seed})", f"no block of {pipeline!r} draws random numbers", stacklevel=4)
 
 
 def _install_hooks(cache: "BranchCache", model) -> None:
@@ -197,6 +208,7 @@ class BranchCache(Cache):
             pipeline.validate(active_budget)
         config, self.attention = check_model(model, strict)
         check_budget(active_budget, "active_budget")
+        _check_unused(pipeline, self.attention, interval, active_budget, host_limit, tier, seed)
         self.model = model
         self.budget = budget
         self.keep = float(keep)

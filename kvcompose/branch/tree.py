@@ -133,6 +133,13 @@ class BranchLayer(ComposeLayer):
     def scheduled(self) -> bool:
         return super().scheduled() and self.config.budget is not None
 
+    def layer_budget(self, seen: int | None = None) -> int | None:
+        """The active node's budget on the pipeline's schedule: None without `active_budget` (inactive nodes are
+        compressed to the sizes the tree chooses, whatever the pipeline's allocator)."""
+        if self.config.budget is None:
+            return None
+        return super().layer_budget(seen)
+
     @no_trace
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Append the new tokens to the active branch's node and hand this layer to the attention function."""

@@ -21,7 +21,7 @@ from ..block import Block, require_role, role_of
 from ..tiers import TierStore
 from ..pipeline import Pipeline
 from ..protectors import ProtectRecent
-from ..view import KVComposeError
+from ..view import KVComposeError, warn_unused
 from .reasoning import rkv
 
 __all__ = ["with_allocator", "pyramid_rkv", "reason_alloc", "growpage"]
@@ -84,6 +84,12 @@ def reason_alloc(base: Pipeline | None = None, profile: str | os.PathLike | dict
         >>> methods.reason_alloc(base=methods.snapkv(), profile="my_model.json")
     """
     base = _base(base, "reason_alloc")
+    if model is not None and not (isinstance(profile, str) and profile == "auto"):
+        warn_unused("reason_alloc(model=...)", "the model only picks the shipped profile of profile='auto'")
+    if profile is None:
+        for k, v, d in (("layer_floor", layer_floor, 0.25), ("cap", cap, True)):
+            if v != d:
+                warn_unused(f"reason_alloc({k}={v!r})", "profile=None gives layers no profile (head-wise only)")
     layers = None
     tag = "heads"
     if isinstance(profile, str) and profile == "auto":

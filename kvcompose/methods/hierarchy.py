@@ -18,7 +18,7 @@ from ..protectors import ProtectPrompt, ProtectRecent
 from ..scorers import AccumulatedAttention
 from ..selectors import TopK
 from ..tiers import CompressedTier, Hierarchy, HostTier, TierStore
-from ..view import KVComposeError
+from ..view import KVComposeError, warn_unused
 
 __all__ = ["memory_hierarchy", "with_tier"]
 
@@ -46,6 +46,10 @@ def memory_hierarchy(hbm_ratio: int | float = 0.5, compressed_ratio: int | float
             ~0.6 at a 3% evict share), the rest of the room goes to its newest tokens.
         normalize: rank by mean instead of summed attention (`AccumulatedAttention(normalize=True)`).
     """
+    if not compressed_ratio and bits != 8:
+        warn_unused(f"memory_hierarchy(bits={bits})", "compressed_ratio=0 leaves the compressed tier empty")
+    if not prompt and sinks != 4:
+        warn_unused(f"memory_hierarchy(sinks={sinks})", "prompt=False protects no prompt token (sinks are the prompt's)")
     alloc = SeenShare(hbm_ratio, compressed_ratio, evict_ratio)
     tier = Hierarchy(compressed_ratio, evict_ratio, host=HostTier(), compressed=CompressedTier(bits=bits))
     name = f"memory_hierarchy(hbm={hbm_ratio:g}, compressed={compressed_ratio:g}, evict={evict_ratio:g}"

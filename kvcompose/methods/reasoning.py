@@ -6,6 +6,7 @@ from ..pipeline import Pipeline
 from ..protectors import ProtectPrompt, ProtectRecent, ProtectSinks, ProtectValueNorm
 from ..scorers import KeyRedundancy, ProjectedNorm, WindowedAttention
 from ..selectors import RandomDrop, Sample, TopK
+from ..view import warn_unused
 
 
 def rkv(window: int = 8, lam: float = 0.1, threshold: float = 0.5, kernel: int = 7, interval: int = 128) -> Pipeline:
@@ -59,8 +60,14 @@ def vase(protect: int | float = 0.25, recent: int = 64, window: int = 64, sinks:
     `ProjectedNorm`), top-k; no query buffer at all.
     """
     if query_free:
+        dead = {k: v for k, v, d in (("protect", protect, 0.25), ("window", window, 64), ("kernel", kernel, 5)) if v != d}
+        for k, v in dead.items():
+            warn_unused(f"vase({k}={v!r})", "the query-free variant (query_free=True) has no value protection and no "
+                        "query window")
         return Pipeline(ProtectRecent(recent), ProtectSinks(sinks), ProjectedNorm(rank, fixed=True), TopK(),
                         name="vase(query_free)", interval=interval)
+    if rank != 20:
+        warn_unused(f"vase(rank={rank})", "rank is the projection of the query-free variant (query_free=True)")
     return Pipeline(
         ProtectRecent(recent),
         ProtectValueNorm(protect, kind="range", sinks=sinks, exclude_recent=recent),

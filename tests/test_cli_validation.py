@@ -1,0 +1,191 @@
+"""The command line checks its arguments and paths before loading a model: a bad one ends the command with exit
+code 2, one line naming it, and no output left behind (issue item 7). The observed cases run the real entry
+point (`kvcompose ...` in a subprocess, all at once: each one starts Python, torch and transformers); the checks
+of every subcommand's numbers and paths run in-process through `kvcompose.cli.main`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcompose import cli, cli_args
+
+
+def _entry_point() -> list[str]:
+    exe = Path(sys.executable).with_name("kvcompose")
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("kvcompose")
+    if found is None:
+        pytest.skip("the kvcompose entry point is not installed")
+    return [found]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    (d / "empty_model").mkdir()
+    (d / "bad.jsonl").write_text('{"question": "ok"}\nnot json\n')
+    (d / "noq.jsonl").write_text('{"text": "no question here"}\n')
+    (d / "good.jsonl").write_text("\n".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) for i in range(3)))
+    (d / "no_results").mkdir()
+    return d
+
+
+def test_observed_cases_through_the_entry_point(files, tmp_path):
+    """Each of these loaded a model first (or exited 0) and ended in a traceback or left an empty folder."""
+    out = tmp_path / "fid"
+    cases = {
+        "generate --model /nonexistent": (["generate", "--model", str(files / "missing_model")], "does not exist"),
+        "generate --model <folder with no model>": (["generate", "--model", str(files / "empty_model")],
+                                                    "holds no model"),
+        "generate --device cuda (CPU-only torch)": (["generate", "--device", "cuda:0"], "cuda"),
+        "bench report <missing folder>": (["bench", "report", str(files / "missing")], "does not exist"),
+        "bench fidelity --data <missing file>": (["bench", "fidelity", "--data", str(files / "missing.jsonl"),
+                                                 "--out", str(out)], "does not exist"),
+        "bench fidelity --data <malformed file>": (["bench", "fidelity", "--data", str(files / "bad.jsonl"),
+                                                   "--out", str(out)], "bad.jsonl:2 is not a JSON line"),
+        "calibrate --data <file without questions>": (["calibrate", "--data", str(files / "noq.jsonl"), "--out",
+                                                      str(tmp_path / "p.json")], "no 'question'"),
+    }
+    if "cuda" in cases["generate --device cuda (CPU-only torch)"][0][-1]:
+        import torch
+
+        if torch.cuda.is_available():
+            del cases["generate --device cuda (CPU-only torch)"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("KVCOMPOSE_GSM8K", None)
+    procs = {name: subprocess.Popen(_entry_point() + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=env, cwd=tmp_path)
+             for name, (argv, _) in cases.items()}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=600)
+        lines = [line for line in stderr.splitlines() if line.strip() and "Warning" not in line]
+        assert p.returncode == 2, (name, p.returncode, stderr[-2000:])
+        assert len(lines) == 1 and "error:" in lines[0], (name, stderr[-2000:])
+        assert cases[name][1] in lines[0], (name, lines[0])
+        assert "loading" not in stderr and not stdout.strip(), name  # refused before any model loaded
+    assert not out.exists() and not (tmp_path / "p.json").exists()
+
+
+def _main(argv, capsys) -> tuple[int, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    return code, err
+
+
+BAD_NUMBERS = [
+    (["generate", "--budget", "0"], "--budget"),
+    (["generate", "--budget", "2147483648"], "--budget"),
+    (["generate", "--interval", "-4"], "--interval"),
+    (["generate", "--max-new-tokens", "x"], "--max-new-tokens"),
+    (["generate", "--index", "-1"], "--index"),
+    (["generate", "--threads", "0"], "--threads"),
+    (["generate", "--dtype", "float8"], "--dtype"),
+    (["bench", "fidelity", "--n-prompts", "0"], "--n-prompts"),
+    (["bench", "fidelity", "--budgets", "64", "-1"], "--budgets"),
+    (["bench", "fidelity", "--top-p", "0"], "--top-p"),
+    (["bench", "fidelity", "--temperature", "-0.5"], "--temperature"),
+    (["bench", "fidelity", "--short-budgets", "nan"], "--short-budgets"),
+    (["bench", "accuracy", "--batch-size", "0"], "--batch-size"),
+    (["bench", "accuracy", "--samples", "-2"], "--samples"),
+    (["bench", "accuracy", "--limit", "0"], "--limit"),
+    (["bench", "speed", "--window", "0"], "--window"),
+    (["bench", "steptime", "--seen", "1024", "0"], "--seen"),
+    (["bench", "steptime", "--deep-layers", "-1"], "--deep-layers"),
+    (["bench", "throughput", "--kv-memory", "0"], "--kv-memory"),
+    (["bench", "throughput", "--prompt-lengths", "64", "x"], "--prompt-lengths"),
+    (["calibrate", "--out", "p.json", "--coverage", "1.5"], "--coverage"),
+    (["calibrate", "--out", "p.json", "--n", "0"], "--n"),
+]
+
+
+@pytest.mark.parametrize("argv,option", BAD_NUMBERS, ids=[" ".join(a) for a, _ in BAD_NUMBERS])
+def test_every_numeric_option_is_checked(argv, option, capsys):
+    code, err = _main(argv, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and option in lines[0] and "error:" in lines[0], err
+
+
+def test_every_path_option_is_checked(files, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KVCOMPOSE_GSM8K", raising=False)
+    (tmp_path / "a_file").write_text("x")
+    cases = [
+        (["bench", "fidelity", "--data", str(files / "good.jsonl"), "--traces", str(files / "bad.jsonl")], "JSON"),
+        (["bench", "fidelity", "--data", str(files / "good.jsonl"), "--kvpress-json", "nope.json"], "does not exist"),
+        (["bench", "fidelity", "--data", str(files / "good.jsonl"), "--kvpress-python", "nope/python"], "does not exist"),
+        (["bench", "fidelity", "--data", str(files / "good.jsonl"), "--kvpress-script", "nope.py"], "does not exist"),
+        (["bench", "fidelity", "--data", str(files / "good.jsonl"), "--out", "a_file"], "is a file"),
+        (["bench", "fidelity", "--data", str(files / "good.jsonl"), "--out", "a_file/sub"], "is a file"),
+        (["bench", "fidelity", "--data", str(files / "good.jsonl"), "--n-prompts", "3", "--offset", "1"], "holds 3 questions"),
+        (["bench", "fidelity"], "needs questions"),  # no --data and no $KVCOMPOSE_GSM8K
+        (["bench", "accuracy", "--data", str(files / "noq.jsonl")], "no 'question'"),
+        (["bench", "accuracy"], "needs questions"),
+        (["bench", "speed", "--out", "a_file"], "is a file"),
+        (["bench", "steptime", "--out", "a_file"], "is a file"),
+        (["bench", "throughput", "--out", "a_file"], "is a file"),
+        (["bench", "report", str(files / "no_results")], "holds no results"),
+        (["calibrate", "--out", str(tmp_path)], "is a folder"),
+        (["calibrate", "--out", "p.json"], "needs questions"),
+        (["calibrate", "--out", "p.json", "--data", str(files / "good.jsonl")], "fewer than --offset 1000"),
+        (["generate", "--data", str(files / "good.jsonl"), "--index", "5"], "holds 3 questions"),
+        (["generate", "--model", "a_file"], "is a file"),
+        (["generate", "--model", "./relative/missing"], "does not exist"),
+        (["generate", "--device", "mps"], "mps"),
+        (["generate", "--device", "bogus:x"], "not a torch device"),
+    ]
+    import torch
+
+    if torch.backends.mps.is_available():
+        cases = [c for c in cases if c[1] != "mps"]
+    for argv, what in cases:
+        code, err = _main(argv, capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and what in lines[0], (argv, code, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
+
+
+def test_a_failed_run_leaves_no_empty_output_folder(files, tmp_path, capsys, monkeypatch):
+    """A run that fails after it started (here: the fidelity loop raising) removes the output folder it created
+    when nothing was written into it; the error is one line and the exit code 2."""
+    from kvcompose.bench import run as bench_run
+    from kvcompose.view import KVComposeError
+
+    def fails(cfg):
+        Path(cfg.out, "sub").mkdir(parents=True)
+        raise KVComposeError("the run failed\nafter it started")
+
+    monkeypatch.setattr(bench_run, "run_fidelity", fails)
+    out = tmp_path / "fid"
+    code, err = _main(["bench", "fidelity", "--data", str(files / "good.jsonl"), "--n-prompts", "1",
+                       "--free-gen-prompts", "0", "--out", str(out)], capsys)
+    assert code == 2 and err.strip() == "kvcompose bench fidelity: error: the run failed after it started"
+    assert not out.exists()
+    out.mkdir()
+    (out / "keep.txt").write_text("an earlier run's file")
+    code, _ = _main(["bench", "fidelity", "--data", str(files / "good.jsonl"), "--n-prompts", "1",
+                     "--free-gen-prompts", "0", "--out", str(out)], capsys)
+    assert code == 2 and (out / "keep.txt").exists()  # a folder that existed before is left alone
+
+
+def test_valid_arguments_still_parse(files, tmp_path):
+    p = cli.build_parser()
+    a = p.parse_args(["generate", "--budget", "64", "--interval", "8", "--seed", "0", "--device", "cpu",
+                      "--data", str(files / "good.jsonl"), "--index", "2", "--model", "HuggingFaceTB/SmolLM2-135M"])
+    assert a.budget == 64 and a.interval == 8 and a.index == 2 and a.model == "HuggingFaceTB/SmolLM2-135M"
+    a = p.parse_args(["bench", "fidelity", "--temperature", "0", "--top-p", "1", "--free-gen-prompts", "0",
+                      "--short-tokens", "0", "--out", str(tmp_path / "new" / "folder")])
+    assert a.temperature == 0.0 and a.top_p == 1.0 and a.free_gen_prompts == 0
+    assert not (tmp_path / "new").exists()  # checking creates nothing
+    assert cli_args.one_line("a\n  b") == "a b"

@@ -1,0 +1,79 @@
+"""An argument a pipeline cannot use (a budget, interval, ratio or seed that has no effect) is accepted with a
+`KVComposeWarning` naming why, never silently; every default and every argument that does change something
+stays silent."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from kvcompose import (
+    BranchCache, Evict, KVComposeCache, KVComposeWarning, Pipeline, Prefetcher, ProjectedNorm, ProtectPrompt,
+    RandomDrop, TopK, WindowedAttention, methods,
+)
+from kvcompose.scorers import KeyNorm
+
+from helpers import tree_model
+
+MODEL = tree_model()
+
+
+def _warns(match: str, fn):
+    with pytest.warns(KVComposeWarning, match=match):
+        return fn()
+
+
+def _silent(fn):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KVComposeWarning)
+        return fn()
+
+
+def test_cache_arguments_without_effect_warn():
+    _warns("budget=64\\) has no effect: full never compresses", lambda: KVComposeCache(MODEL, methods.full(), budget=64))
+    _warns("interval=8\\) has no effect", lambda: KVComposeCache(MODEL, methods.full(), interval=8))
+    _warns("compress_prefill=True\\) has no effect", lambda: KVComposeCache(MODEL, methods.full(), compress_prefill=True))
+    _warns("reserve=True\\) has no effect", lambda: KVComposeCache(MODEL, methods.full(), reserve=True))
+    _warns("seed=3\\) has no effect: no block of rkv", lambda: KVComposeCache(MODEL, methods.rkv(), budget=64, seed=3))
+    _warns("seed=1\\) has no effect", lambda: KVComposeCache(MODEL, methods.full(), seed=1))
+    _warns("interval=8\\) has no effect: GrowPage", lambda: KVComposeCache(MODEL, methods.growpage(), budget=64, interval=8))
+    _warns("reserve=True\\) has no effect.*pages", lambda: KVComposeCache(MODEL, methods.reason_alloc(profile=None),
+                                                                        budget=64, reserve=True))
+    _warns("prefetcher=...\\) has no effect", lambda: KVComposeCache(MODEL, methods.rkv(), budget=64,
+                                                                     prefetcher=Prefetcher()))
+
+
+def test_cache_arguments_with_effect_are_silent():
+    _silent(lambda: KVComposeCache(MODEL, methods.full()))
+    _silent(lambda: KVComposeCache(MODEL, methods.rkv(), budget=64, interval=8, compress_prefill=True, reserve=True))
+    _silent(lambda: KVComposeCache(MODEL, methods.random_attention(), budget=128, seed=3))
+    _silent(lambda: KVComposeCache(MODEL, methods.vase(), budget=128, seed=3))  # Sample draws
+    _silent(lambda: KVComposeCache(MODEL, methods.memory_hierarchy(0.5), prefetcher=Prefetcher(lookahead=0)))
+    _silent(lambda: KVComposeCache(MODEL, methods.growpage(), budget=64))
+
+
+def test_tree_cache_arguments_without_effect_warn():
+    _warns("interval=8\\) has no effect: without active_budget", lambda: BranchCache(MODEL, budget=64, interval=8))
+    _warns("host_limit=100\\) has no effect", lambda: BranchCache(MODEL, budget=64, tier=Evict(), host_limit=100))
+    _warns("seed=2\\) has no effect", lambda: BranchCache(MODEL, budget=64, seed=2))
+    _silent(lambda: BranchCache(MODEL, budget=64, active_budget=32, interval=8, host_limit=100,
+                                scorer=Pipeline(RandomDrop()), seed=2))
+
+
+def test_preset_and_block_options_switched_off_warn():
+    _warns("bits=4\\) has no effect: compressed_ratio=0", lambda: methods.memory_hierarchy(0.5, bits=4))
+    _warns("sinks=2\\) has no effect: prompt=False", lambda: methods.memory_hierarchy(0.5, prompt=False, sinks=2))
+    _warns("protect=0.5\\) has no effect: the query-free", lambda: methods.vase(query_free=True, protect=0.5))
+    _warns("window=32\\) has no effect", lambda: methods.vase(query_free=True, window=32))
+    _warns("rank=8\\) has no effect", lambda: methods.vase(rank=8))
+    _warns("layer_floor=0.5\\) has no effect: profile=None", lambda: methods.reason_alloc(profile=None, layer_floor=0.5))
+    _warns("model=...\\) has no effect", lambda: methods.reason_alloc(profile=None, model=MODEL))
+    _warns("interval=8\\) has no effect", lambda: Pipeline(interval=8))
+    _warns("kernel=7\\) has no effect: pool='none'", lambda: WindowedAttention(8, pool="none", kernel=7))
+    _warns("sinks=2\\) has no effect: keep='first'", lambda: ProtectPrompt(keep="first", sinks=2))
+    _warns("seed=3\\) has no effect", lambda: ProjectedNorm(fixed=False, seed=3))
+    _silent(lambda: [fn() for fn in methods.PRESETS.values()])  # every default is silent
+    _silent(lambda: (methods.memory_hierarchy(0.5, 0.2, bits=4), methods.vase(query_free=True, rank=8),
+                     methods.reason_alloc(profile={"demand": [1.0, 2.0]}, layer_floor=0.5),
+                     Pipeline(KeyNorm(), TopK(), interval=8), ProtectPrompt(sinks=2), ProjectedNorm(seed=3)))
