@@ -196,9 +196,13 @@ class Pipeline:
         if budget <= 0:
             raise KVComposeError(f"budget must be positive, got {budget}")
         fixed = self.fixed_protection(budget)
+        parts = ", ".join(f"{p!r}: {p.max_count(budget)}" for p in self.protectors if p.max_count(budget))
         if fixed > budget and not self.tier.holds_tokens:
-            parts = ", ".join(f"{p!r}: {p.max_count(budget)}" for p in self.protectors if p.max_count(budget))
             raise KVComposeError(f"protectors may keep {fixed} tokens, more than the budget {budget} ({parts})")
+        if fixed == budget and not self.tier.holds_tokens and len(self.protectors) == 1 and self.allocator.uniform:
+            chooser = self.scorer if self.scorer is not None else self.selector
+            warn_unused(f"{chooser!r} at budget={budget}", f"the protectors keep the whole budget ({parts}), so it "
+                        "never chooses a token", stacklevel=4)
 
     def replace(self, *blocks: Block, name: str | None = None, interval: int | None = None) -> "Pipeline":
         """The same pipeline with parts swapped: each given Scorer, Selector, Allocator or TierStore replaces

@@ -73,6 +73,10 @@ def test_preset_and_block_options_switched_off_warn():
     _warns("kernel=7\\) has no effect: pool='none'", lambda: WindowedAttention(8, pool="none", kernel=7))
     _warns("sinks=2\\) has no effect: keep='first'", lambda: ProtectPrompt(keep="first", sinks=2))
     _warns("seed=3\\) has no effect", lambda: ProjectedNorm(fixed=False, seed=3))
+    _warns("hbm_ratio=1\\) has no effect", lambda: methods.memory_hierarchy(1.0))
+    _warns("AccumulatedAttention.*at budget=32 has no effect: the protectors keep the whole budget",
+           lambda: KVComposeCache(MODEL, methods.h2o(recent=1.0), budget=32))
+    _warns("Recency.*at budget=8 has no effect", lambda: KVComposeCache(MODEL, methods.streaming_llm(sinks=8), budget=8))
     _silent(lambda: [fn() for fn in methods.PRESETS.values()])  # every default is silent
     _silent(lambda: (methods.memory_hierarchy(0.5, 0.2, bits=4), methods.vase(query_free=True, rank=8),
                      methods.reason_alloc(profile={"demand": [1.0, 2.0]}, layer_floor=0.5),

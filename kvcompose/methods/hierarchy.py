@@ -46,6 +46,8 @@ def memory_hierarchy(hbm_ratio: int | float = 0.5, compressed_ratio: int | float
             ~0.6 at a 3% evict share), the rest of the room goes to its newest tokens.
         normalize: rank by mean instead of summed attention (`AccumulatedAttention(normalize=True)`).
     """
+    if hbm_ratio == 1:
+        warn_unused("memory_hierarchy(hbm_ratio=1)", "every token stays in HBM: nothing reaches another tier")
     if not compressed_ratio and bits != 8:
         warn_unused(f"memory_hierarchy(bits={bits})", "compressed_ratio=0 leaves the compressed tier empty")
     if not prompt and sinks != 4:
