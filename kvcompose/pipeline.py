@@ -180,8 +180,10 @@ class Pipeline:
         return self.compresses and self.allocator.needs_budget
 
     def fixed_protection(self, budget: int) -> int:
-        """Upper bound on tokens protected by the fixed-count protectors at this budget."""
-        return sum(p.max_count(budget) for p in self.protectors)
+        """Upper bound on tokens protected by the fixed-count protectors at this budget (protectors of the first
+        tokens, such as `ProtectSinks` and the sinks of `ProtectPrompt`, overlap: the longest prefix counts once)."""
+        prefix = max((p.prefix_count(budget) for p in self.protectors), default=0)
+        return sum(p.max_count(budget) - p.prefix_count(budget) for p in self.protectors) + prefix
 
     def validate(self, budget: int | None) -> None:
         """Check the pipeline against a per-layer token budget; raise `KVComposeError` if it cannot work."""

@@ -58,6 +58,11 @@ class Protector(Block):
     def max_count(self, budget: int) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def prefix_count(self, budget: int) -> int:
+        """How many of its `max_count` tokens are the first valid tokens of a row (sinks): protectors of a prefix
+        overlap, so a pipeline counts only the longest prefix once (`Pipeline.fixed_protection`)."""
+        return 0
+
     def protect(self, view: LayerView, budget: int, room: int) -> Bool[Tensor, "B H T"]:  # pragma: no cover
         raise NotImplementedError
 
@@ -84,6 +89,9 @@ class ProtectSinks(Protector):
 
     def max_count(self, budget: int) -> int:
         return resolve_count(self.n, budget)
+
+    def prefix_count(self, budget: int) -> int:
+        return self.max_count(budget)
 
     def protect(self, view, budget, room):
         return _rank_mask(-view.positions, self.max_count(budget), view.valid)
@@ -142,6 +150,9 @@ class ProtectPrompt(Protector):
         if self.keep != "ends":
             return 0
         return self.sinks if self.limit is None else min(self.sinks, resolve_count(self.limit, budget))
+
+    def prefix_count(self, budget: int) -> int:
+        return self.max_count(budget)  # the prompt's first tokens are the row's first valid tokens
 
     def protect(self, view, budget, room):
         # the room left, but never less than the sinks it promises (counted in `max_count`, so a pipeline that

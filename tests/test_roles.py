@@ -11,7 +11,6 @@ from kvcompose import (
     HostTier, KeyNorm, KVComposeCache, KVComposeError, Pipeline, ProtectPrompt, ProtectRecent, ProtectSinks, Pyramid,
     RandomDrop, Recency, Sample, TopK, Uniform, ValueNorm, methods,
 )
-from kvcompose.block import role_of
 from kvcompose.models import tiny_model
 from kvcompose.reco.eviction import Lexicographic
 from kvcompose.scorers import Combined
@@ -105,6 +104,8 @@ def test_scorer_arithmetic_names_the_problem(unchecked):
 
 
 def test_role_names():
+    from kvcompose.block import role_of
+
     assert [role_of(b) for b in BLOCKS.values()] == list(BLOCKS)
     assert role_of(methods.rkv()) == "Pipeline" and role_of(3) == "int"
     assert role_of(GrowPage()) == "Allocator" and role_of(Uniform()) == "Allocator"
