@@ -126,6 +126,10 @@ def test_copy_refusals_name_the_problem():
     loaded.bind(MODEL)
     with pytest.raises(KVComposeError, match="bound to another model"):
         loaded.bind(other)
+    tree = pickle.loads(pickle.dumps(BranchCache(MODEL)))
+    tree.close()  # an unbound tree closes too (nothing to release)
+    with pytest.raises(KVComposeError, match="bind\\(model\\)"):
+        greedy(MODEL, tree, ids(1), 1)
 
 
 def _tree(budget, active, tier, seed):

@@ -425,7 +425,8 @@ class BranchCache(Cache):
     def close(self) -> None:
         """Remove the forward hooks from the model and give it its previous attention implementation back
         (both also done when the cache is garbage-collected)."""
-        self._finalizer()
+        if self._finalizer is not None:  # None: a loaded cache that was never bound
+            self._finalizer()
         _attn.release(self)
 
     kvcompose_attention = True  # kvcompose.attention routes calls that carry this cache to its layers
