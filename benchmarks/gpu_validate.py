@@ -405,7 +405,7 @@ def part_tests(data, limit, out):
 # ================================================================================ decode
 def _model():
     if DRY:
-        from kvcompose.models import tiny_model
+        from kvcompose.bench.tiny import tiny_model
 
         return tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128).to(DEV), \
             "tiny llama (2 layers, 4 heads, 2 KV heads, head dim 16, fp32)"

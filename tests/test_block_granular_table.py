@@ -117,7 +117,7 @@ def test_request_event_with_layer_decisions_equals_the_per_layer_events(method):
     the cache's own per-layer events exactly when it decides per layer."""
     from kvcompose import KVComposeCache
     from kvcompose.bench.fidelity import teacher_force_logits
-    from kvcompose.models import tiny_model
+    from kvcompose.bench.tiny import tiny_model
 
     model = tiny_model("llama", layers=3)
     trace = _trace()
@@ -130,7 +130,7 @@ def test_request_event_with_layer_decisions_equals_the_per_layer_events(method):
 
 @pytest.mark.parametrize("method", ["h2o", "snapkv", "vase"])
 def test_request_event_keeps_one_block_set_for_every_layer_and_head(method):
-    from kvcompose.models import tiny_model
+    from kvcompose.bench.tiny import tiny_model
 
     model = tiny_model("llama", layers=3)
     _, cache, event = _request_logits(model, method, 64, "request", _trace(seed=1))

@@ -12,7 +12,7 @@ import torch
 from kvcompose import KVComposeError, methods
 from kvcompose.bench import speed
 from kvcompose.cache import KVComposeCache
-from kvcompose.models import tiny_model
+from kvcompose.bench.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 KVPRESS_PYTHON = ROOT / ".venv-kvpress" / "bin" / "python"
