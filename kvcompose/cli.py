@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--free-gen-budgets", nargs="+", type=int, default=[64, 128], help="budgets for free generation")
     f.add_argument("--kvpress-python", default=None,
                    help="python of a kvpress virtualenv (e.g. .venv-kvpress/bin/python): run kvpress side by side")
-    f.add_argument("--kvpress-script", default=None, help="default: benchmarks/kvpress_side.py of this checkout")
+    f.add_argument("--kvpress-script", default=None, help="default: kvpress_side.py shipped in kvcompose.bench.external")
     f.add_argument("--kvpress-presses", nargs="+", default=None, help="kvpress presses (default: the script's)")
     f.add_argument("--kvpress-budgets", nargs="+", type=int, default=None, help="default: --budgets")
     f.add_argument("--kvpress-kinds", nargs="+", default=["sampled"], help="trace kinds sent to kvpress (default sampled)")

@@ -165,7 +165,7 @@ def _kvpress_available() -> bool:
     return subprocess.run([str(KVPRESS_PYTHON), "-c", "import kvpress"], capture_output=True).returncode == 0
 
 
-@pytest.mark.skipif(not _kvpress_available(), reason="no .venv-kvpress with kvpress (see benchmarks/README_kvpress.md)")
+@pytest.mark.skipif(not _kvpress_available(), reason="no .venv-kvpress with kvpress (see docs/kvpress.md)")
 def test_kvpress_speed_runner(tmp_path):
     from kvcompose.bench.tiny import save_tiny_chat_model
 
