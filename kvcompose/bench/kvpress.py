@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .external import display_command
 from .fidelity import Trace
 
-__all__ = ["default_script", "display_command", "write_traces", "start_kvpress", "finish_kvpress", "run_kvpress", "kvpress_rows",
+__all__ = ["default_script", "write_traces", "start_kvpress", "finish_kvpress", "run_kvpress", "kvpress_rows",
            "engine_label"]
 
 
@@ -26,15 +27,6 @@ def default_script() -> Path:
     from .external import script
 
     return script("kvpress_side")
-
-
-def display_command(cmd: list[str]) -> str:
-    """`cmd` as a string for reports: a shipped external script is named `$(python -m kvcompose.bench.external
-    NAME)` instead of its path in this machine's site-packages."""
-    from .external import SCRIPTS, script
-
-    shipped = {str(script(n)): f"$(python -m kvcompose.bench.external {n})" for n in SCRIPTS}
-    return " ".join(shipped.get(str(Path(c).resolve()) if c.endswith(".py") else c, c) for c in cmd)
 
 
 def write_traces(path: str | os.PathLike, model: str, traces: list[Trace]) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ...view import KVComposeError
 
-__all__ = ["SCRIPTS", "script"]
+__all__ = ["SCRIPTS", "script", "display_command"]
 
 SCRIPTS = ("kvpress_side", "kvpress_speed")
 
@@ -31,3 +31,10 @@ def script(name: str) -> Path:
     if not path.exists():  # a broken installation, not a user error
         raise KVComposeError(f"{path} is missing from this kvcompose installation")
     return path
+
+
+def display_command(cmd: list[str]) -> str:
+    """`cmd` as a string for reports: a shipped script is named `$(python -m kvcompose.bench.external NAME)`
+    instead of its path in this machine's site-packages or checkout."""
+    shipped = {str(script(n)): f"$(python -m kvcompose.bench.external {n})" for n in SCRIPTS}
+    return " ".join(shipped.get(str(Path(c).resolve()), c) if c.endswith(".py") else c for c in cmd)
