@@ -306,6 +306,20 @@ def calibrate(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------ main
+# optional dependencies: Python module -> the extra of pyproject.toml that installs it
+EXTRAS = {"matplotlib": "bench", "math_verify": "eval", "datasets": "eval", "lm_eval": "eval",
+          "accelerate": "eval", "gguf": "demo", "triton": "triton"}
+# what a command needs before its end (checked up front: a long run must not die at its plot)
+NEEDS = {"bench fidelity": ("matplotlib",), "bench accuracy": ("matplotlib", "math_verify"),
+         "bench speed": ("matplotlib",), "bench throughput": ("matplotlib",), "bench report": ("matplotlib",)}
+
+
+def _needs_extra(command: str, module: str) -> str:
+    """The one-line error for an optional dependency that is not installed."""
+    return (f"kvcompose: error: `kvcompose {command}` needs the optional module {module}: "
+            f"pip install 'kvcompose[{EXTRAS[module]}]'")
+
+
 def _bench(args, argv: list[str]) -> int:
     from .bench import run
 
@@ -357,8 +371,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    import importlib.util
+
     from .view import KVComposeError
 
+    command = " ".join(filter(None, [args.command, getattr(args, "bench", None)]))
+    for module in NEEDS.get(command, ()):
+        if importlib.util.find_spec(module) is None:
+            print(_needs_extra(command, module), file=sys.stderr)
+            return 2
     try:
         if args.command == "generate":
             return generate(args)
@@ -376,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except KVComposeError as e:
         print(f"kvcompose: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # an optional dependency met on the way: say which extra installs it
+        if (e.name or "").split(".")[0] not in EXTRAS:
+            raise
+        print(_needs_extra(command, e.name.split(".")[0]), file=sys.stderr)
         return 2
     return 1
 

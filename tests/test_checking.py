@@ -35,4 +35,12 @@ def test_wrong_shape_through_the_public_api_gets_the_checkers_error():
         LayerView(layer_idx=0, num_layers=1, keys=keys, values=values[:, :, :3], positions=torch.zeros(1, 2, 5).long(),
                   valid=torch.ones(1, 2, 3, dtype=torch.bool), prompt_length=3, queries=None, query_positions=None,
                   query_valid=None, seen=3, scale=0.25)
-    assert cache.get_seq_length() == 0
+    assert store.held == 0  # the refused append wrote nothing
+    with pytest.raises(CHECKER):
+        cache.update(keys, values, 0)  # the same mismatch through the cache
+    # a refused update leaves the cache as it was: nothing counted as seen, and the next forward works
+    assert cache.layers[0].seen == 0
+    ids = torch.randint(3, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+    assert cache.get_seq_length() == 5 and cache.layers[0].held == 5
