@@ -372,7 +372,8 @@ def test_ragged_attention_equals_dense_masked_reference_and_kernel():
     equals SDPA over each head's own kept tokens (one head at a time, no padding), and the Triton paged kernel
     (interpreted on CPU) reading the store's pages directly agrees with it."""
     from kvcompose.attention import attend, build_mask
-    from kvcompose.kernels import paged_decode_attention, triton_usable_on, use_triton
+    from kvcompose.kernels import paged_decode_attention, use_triton
+    from kvcompose.kernels.dispatch import triton_usable_on
 
     kv, g = _ragged_store()
     assert kv.ragged
