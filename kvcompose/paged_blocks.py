@@ -36,6 +36,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from .allocators import Uniform
 from .compat import forward_cache
 from .kernels import value_magnitude
 from .pipeline import Pipeline
@@ -43,8 +44,8 @@ from .protectors import ProtectValueNorm
 from .selectors import BlockGranular
 from .view import KVComposeError, LayerView
 
-__all__ = ["BlockProtectValueNorm", "RequestEvent", "RequestBlocks", "VotingValueProtect", "block_granular",
-           "request_pipeline"]
+__all__ = ["BlockProtectValueNorm", "RequestEvent", "RequestBlocks", "VotingValueProtect", "RequestSchedule",
+           "block_granular", "request_pipeline"]
 
 _BIG = 3e38  # priority of a protected block; real priorities are clamped to +-1e30
 
@@ -117,8 +118,8 @@ class RequestEvent:
 
     Run by a forward hook on the model (`attached(model, cache)`) after every forward whose tokens end an
     interval of `interval` decoded tokens (like the per-layer events it replaces, after the chunk's
-    attention); the cache's own schedule must be off (`request_pipeline` sets the pipeline's interval out of
-    reach). Two passes over the layers:
+    attention); the layers' own schedule is off (`request_pipeline` gives the pipeline a `RequestSchedule`
+    allocator). Two passes over the layers:
 
     1. record: each layer's pipeline runs on its current view (scorer, protectors, the selector's priority);
        `RequestBlocks` records `(priority, protected, valid, positions)`, `VotingValueProtect` its votes;
@@ -293,6 +294,25 @@ class RequestBlocks(BlockGranular):
         return torch.where(kept >= t, torch.full_like(kept, -1), kept), None
 
 
+class RequestSchedule(Uniform):
+    """The allocator of a `request_pipeline`: the same budget for every layer, row and KV head, and the layers'
+    own compression schedule switched off, so that only the `RequestEvent` compresses. It is an
+    `EventTrigger` (`kvcompose.block`) that never names a row; `room` (what a paged store keeps free after
+    an event) is the event's interval.
+
+    Args:
+        interval: decoded tokens between the request's events.
+    """
+
+    def __init__(self, interval: int):
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
+            raise KVComposeError(f"RequestSchedule: interval must be a positive int, got {interval!r}")
+        self.room = interval
+
+    def due(self, state: Any, lengths: Any, limits: Any, decoded: int, interval: int) -> Bool[Tensor, " B"]:
+        return torch.zeros(len(lengths), dtype=torch.bool)  # on the host: asking costs no device sync
+
+
 class VotingValueProtect(BlockProtectValueNorm):
     """VaSE's block value protection decided request-wide (a Protector that returns no protection itself).
 
@@ -350,18 +370,22 @@ def request_pipeline(pipe: Pipeline, budget: int, block: int = 16, scope: Litera
     """`(pipeline, event)`: `pipe` with one block set per request, driven by a `RequestEvent` every `interval`
     decoded tokens (default: the pipeline's own, else 64, as `KVComposeCache`). Its selector becomes
     `RequestBlocks`, a `ProtectValueNorm` becomes `VotingValueProtect` (`scope="layer"`: a per-row
-    `BlockProtectValueNorm`; `block_protection=False` keeps the token protector), and its own interval is set out of reach so that only the event compresses.
+    `BlockProtectValueNorm`; `block_protection=False` keeps the token protector), and its allocator a
+    `RequestSchedule`, so that only the event compresses (the pipeline's interval is the event's).
     Attach the event to the model and the cache with `event.attached(model, cache)`."""
     if pipe.selector is None:
         raise KVComposeError("request_pipeline: the pipeline has no selector (the full cache keeps everything)")
     if isinstance(pipe.selector, BlockGranular):
         raise KVComposeError("request_pipeline: the pipeline's selector is block-granular already")
+    if type(pipe.allocator) is not Uniform:
+        raise KVComposeError(f"request_pipeline: one block set per request means one budget for every layer and "
+                             f"KV head; the pipeline's allocator {pipe.allocator!r} varies it")
     interval = interval or pipe.interval or 64
     event = RequestEvent(budget, interval, block, scope)
     blocks: list = [RequestBlocks(pipe.selector, block, event)]
     if block_protection:
         blocks += [(VotingValueProtect(p, block, event) if scope == "request" else BlockProtectValueNorm(p, block, False))
                    if _token_value_protector(p) else p for p in pipe.protectors]
-    out = pipe.replace(*blocks, interval=interval * 10**6)  # the cache's own schedule never fires
+    out = pipe.replace(*blocks, RequestSchedule(interval), interval=interval)
     event.pipe = out
     return out, event

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvcompose import BlockGranular, BlockProtectValueNorm, ProtectRecent, RequestBlocks, VotingValueProtect, methods
+from kvcompose.paged_blocks import RequestSchedule
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "block_granular_table.py"
 _spec = importlib.util.spec_from_file_location("block_granular_table", _PATH)
@@ -27,7 +28,8 @@ def test_variants_wrap_the_presets():
     assert not any(isinstance(x, BlockProtectValueNorm) for x in t.protectors)
     r, event = bgt.build_request_pipeline("vase", 256, 16)
     assert isinstance(r.selector, RequestBlocks) and r.selector.event is event and event.interval == 64
-    assert any(isinstance(x, VotingValueProtect) for x in r.protectors) and r.interval > 10**6
+    assert any(isinstance(x, VotingValueProtect) for x in r.protectors) and r.interval == 64
+    assert isinstance(r.allocator, RequestSchedule)  # the layers' own schedule is off
     r, _ = bgt.build_request_pipeline("vase-tokenprot", 256, 16, "layer")
     assert not any(isinstance(x, BlockProtectValueNorm) for x in r.protectors)
     with pytest.raises(ValueError):

@@ -13,7 +13,7 @@ from jaxtyping import TypeCheckError
 from helpers import random_view
 from kvcompose import (
     BlockGranular, BlockProtectValueNorm, KVComposeCache, KVComposeError, Pipeline, ProtectRecent, ProtectValueNorm,
-    RequestBlocks, RequestEvent, Sample, TopK, ValueNorm, VotingValueProtect, methods,
+    Pyramid, RequestBlocks, RequestEvent, Sample, TopK, ValueNorm, VotingValueProtect, methods,
 )
 from kvcompose.bench.fidelity import teacher_force_logits
 from kvcompose.bench.tiny import tiny_model
@@ -119,6 +119,8 @@ def test_bad_use_is_refused():
         request_pipeline(block_granular(methods.h2o()), 64)
     with pytest.raises(KVComposeError, match="no selector"):
         request_pipeline(methods.full(), 64)
+    with pytest.raises(KVComposeError, match="one budget for every layer"):
+        request_pipeline(methods.h2o().replace(Pyramid()), 64)
     # outside an event the selector refuses instead of evicting something else
     pipe, event = request_pipeline(methods.h2o(), 64, block=16)
     view = _arange_view(t=96)
