@@ -28,7 +28,6 @@ import time
 import weakref
 from typing import Any
 
-import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -37,13 +36,13 @@ from transformers.cache_utils import CacheLayerMixin
 from . import attention as _hook
 from .allocators import layer_budget as _layer_budget
 from .compat import no_trace
+from .events import rows_due, rows_over, run_event
 from .path import PathTokens, gather, has_tier_tokens, segment_part
 from .pipeline import Pipeline, Selection
 from .prefetch import Merged
 from .segment import CacheStats, CoreConfig, QueryRing, Segment
 from .stores import DenseStore, KVStore, PagedStore, StoreView
-from .tiers import TierTokens, take_tokens
-from .view import FAR_POSITION, AttentionStep, KVComposeError, LayerSpec, LayerView
+from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
 
 __all__ = ["ComposeLayer", "Segment", "QueryRing", "CoreConfig", "CacheStats", "check_incoming"]
 
@@ -66,14 +65,6 @@ def check_incoming(layer: "ComposeLayer", key_states: Tensor, hint: str = "") ->
 
 def _cat(parts: list[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-
-
-def _rows(rows, device: torch.device) -> Bool[Tensor, " B"] | None:
-    """Rows an event cuts, from a host answer (numpy or a list) or a device tensor; None: no row."""
-    if isinstance(rows, Tensor):  # an allocator that answers on the device (one host sync)
-        return rows if bool(rows.any()) else None
-    rows = np.asarray(rows, dtype=bool)
-    return torch.from_numpy(rows).to(device, non_blocking=True) if rows.any() else None
 
 
 class ComposeLayer(CacheLayerMixin):
@@ -353,31 +344,6 @@ class ComposeLayer(CacheLayerMixin):
         self._track_peak()
 
     # -- compression ----------------------------------------------------------------------------------
-    def _over(self, seg: Segment) -> Bool[Tensor, " B"] | None:
-        """Rows in which some head holds more real tokens than its limit (or too many slots); None: no row.
-        Decided on the host from the mirrored lengths and limits unless the store holds padding."""
-        budget = self.layer_budget()
-        if budget is None:
-            return None
-        store, interval = seg.store, self.config.interval
-        if not store.padded:
-            lens = store.host_lengths
-            limits = seg.host_limits if seg.host_limits is not None else budget
-            return _rows(((lens > limits) | (lens >= limits + interval)).any(-1), self.device)
-        real = store.valid_counts()
-        limits = seg.limits if seg.limits is not None else torch.full_like(real, budget)
-        return _rows(((real > limits) | (store.lengths >= limits + interval)).any(-1), self.device)
-
-    def _due(self, seg: Segment, decoded: int) -> Bool[Tensor, " B"] | None:
-        """Rows the allocator's `EventTrigger.due` says need an event now (None: no row), asked with the
-        host-side lengths and limits."""
-        if self.layer_budget() is None or seg.store is None:
-            return None
-        pipe = self.config.pipeline
-        state = seg.blocks[pipe.leaves.index(pipe.allocator)]
-        rows = pipe.allocator.due(state, seg.store.host_lengths, seg.host_limits, decoded, self.config.interval)
-        return _rows(rows, self.device)
-
     def _schedule(self, q: int, tokens: KVStore | PathTokens | None = None) -> None:
         """Compress at every `interval`-th decoded token the rows that hold more real tokens than the budget.
 
@@ -391,13 +357,13 @@ class ComposeLayer(CacheLayerMixin):
             return
         merged = tokens.merged_of(seg) if isinstance(tokens, PathTokens) else None
         if cfg.trigger:  # the allocator decides which rows are due (GrowPage: a request's pages are full)
-            rows = self._due(seg, decoded)
+            rows = rows_due(self, seg, decoded)
             if rows is not None:
                 self.compress(seg, rows, merged=merged)
             return
         if decoded and decoded // cfg.interval == (decoded - q) // cfg.interval:
             return
-        rows = self._over(seg)
+        rows = rows_over(self, seg)
         if rows is not None:
             self.compress(seg, rows if cfg.paged else None, merged=merged)
 
@@ -447,56 +413,7 @@ class ComposeLayer(CacheLayerMixin):
 
     def _compress(self, seg: Segment, rows: Tensor | None, budget: int | None, pipe: Pipeline,
                   merged: Merged | None) -> Selection:
-        if budget is None:
-            budget = self.layer_budget(seg.start + seg.n)
-        if budget is None:
-            raise KVComposeError(f"layer {self.layer_idx}: compressing needs a budget")
-        self._track_peak()  # the peak is reached just before a compaction
-        view, channels, merged = self.view(seg, rows, merged)
-        sel, seg.blocks = pipe.select(view, budget, seg.blocks, channels)
-        kept = sel.kept
-        b, h, t = view.shape
-        if rows is not None and not bool(rows.all()):
-            width = max(kept.shape[-1], t)
-            every = torch.arange(width, device=self.device).expand(b, h, width)
-            every = torch.where(every < (view.positions < FAR_POSITION).sum(-1, keepdim=True), every,
-                                torch.full_like(every, -1))
-            pad = torch.full((b, h, width - kept.shape[-1]), -1, dtype=kept.dtype, device=self.device)
-            kept = torch.where(rows[:, None, None], torch.cat([kept, pad], dim=-1), every)
-        n_kept = (kept >= 0).sum(-1)
-        if pipe.tier.holds_tokens:
-            seg.tier = pipe.tier.store(seg.tier, self._leaving(view, channels, sel.order, n_kept, rows),
-                                       seg.start + seg.n, n_kept, sel.protected)
-        if merged is not None:
-            safe = kept.clamp(min=0)
-            g = lambda x: take_tokens(x, safe)  # noqa: E731
-            seg.store.assign(StoreView(g(view.keys), g(view.values), g(view.positions), g(view.valid) & (kept >= 0)),
-                             g(channels), n_kept)
-        else:
-            seg.store.compact(kept)
-        if seg.limits is not None:
-            seg.limits = sel.budget if rows is None else torch.where(rows[:, None], sel.budget, seg.limits)
-        seg.store.fit(self.room())
-        seg.events += 1
-        self._track_peak()
-        return sel
-
-    def _leaving(self, view: LayerView, channels: Tensor, order: Int[Tensor, "B H T"], n_kept: Int[Tensor, "B H"],
-                 rows: Tensor | None) -> TierTokens:
-        """The candidates not kept, in priority order: `order[b, h, n_kept[b, h]:]`, padded per head (rows
-        outside `rows` keep every token: nothing of theirs leaves)."""
-        b, h, t = view.shape
-        rest = t - n_kept
-        m = int(rest.max()) if rest.numel() else 0
-        j = torch.arange(m, device=self.device)
-        idx = (n_kept[..., None] + j).clamp(max=max(t - 1, 0))
-        slots = order.gather(-1, idx)
-        inside = j < rest[..., None]
-        if rows is not None:
-            inside = inside & rows[:, None, None]
-        g = lambda x: take_tokens(x, slots)  # noqa: E731
-        pos = torch.where(inside, g(view.positions), torch.full_like(slots, FAR_POSITION) + j)
-        return TierTokens(g(view.keys), g(view.values), pos, g(view.valid) & inside, g(channels))
+        return run_event(self, seg, rows, budget, pipe, merged)
 
     # -- transformers Cache API -------------------------------------------------------------------------
     @_no_trace
@@ -583,7 +500,7 @@ class ComposeLayer(CacheLayerMixin):
         """Bytes of one token position over all rows and heads (the full-cache unit)."""
         if not self.is_initialized:
             return 0
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = self.dtype.itemsize
         return self.batch_size * self.num_heads * (self.head_dim + self.value_dim) * item
 
     def held_bytes(self) -> int:

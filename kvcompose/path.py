@@ -55,7 +55,7 @@ class PathTokens:
         mask: the mask of the last `attend` (None: unmasked).
     """
 
-    __slots__ = ("keys", "values", "positions", "valid", "channels", "ragged", "parts", "mask")
+    __slots__ = ("keys", "values", "positions", "valid", "channels", "ragged", "parts", "mask", "__weakref__")
 
     def __init__(self, view: StoreView, channels: Tensor | None, ragged: bool, parts: list[Part]):
         self.keys, self.values, self.positions, self.valid = view

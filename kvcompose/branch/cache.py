@@ -305,7 +305,8 @@ class BranchCache(ForwardMixin, BudgetMixin, Cache):
         if any(not n.ids_known for n in path):
             raise KVComposeError("some tokens of this branch were fed without input_ids; their ids are unknown")
         if not path:
-            return torch.empty(1, 0, dtype=torch.long)
+            dev = self.layers[0].device if self.layers[0].is_initialized else "cpu"
+            return torch.empty(1, 0, dtype=torch.long, device=dev)
         return torch.cat([torch.cat(n.ids, dim=1) for n in path], dim=1)  # on the model's device
 
     def is_compressed(self, branch: int) -> bool:

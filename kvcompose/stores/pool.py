@@ -114,7 +114,8 @@ class PagePool:
     def _reallocate(self, capacity: int, keep: np.ndarray | None = None) -> None:
         """New tensors of `capacity` pages holding the old pages `keep` (host ids; default: the first
         min(capacity, old) ones) at ids 0..len(keep)-1."""
-        idx = None if keep is None or not len(keep) else torch.as_tensor(keep, dtype=torch.long).to(self.device)
+        idx = None if keep is None or not len(keep) else torch.from_numpy(np.ascontiguousarray(keep, dtype=np.int64)).to(
+            self.device, non_blocking=True)
         for name, t in self.tensors().items():
             new = t.new_zeros((capacity, *t.shape[1:]))
             if keep is None:

@@ -120,7 +120,8 @@ class HostStash:
                 buf = self._buf.get(name)
                 if buf is None or buf.dtype != src.dtype or buf.numel() < n:
                     old = 0 if buf is None or buf.dtype != src.dtype else buf.numel()
-                    buf = torch.empty(max(n, math.ceil(1.5 * old), 1), dtype=src.dtype, pin_memory=True)
+                    buf = torch.empty(max(n, math.ceil(1.5 * old), 1), dtype=src.dtype, device="cpu",
+                                      pin_memory=True)
                     self._buf[name] = buf
                 buf[:n].view(src.shape).copy_(src, non_blocking=True)
                 src.record_stream(side)
@@ -166,7 +167,7 @@ class HostStash:
 
     def nbytes(self) -> int:
         """Bytes of the content (not of the buffers' spare capacity)."""
-        return sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in self._meta.values())
+        return sum(math.prod(s) * d.itemsize for s, d in self._meta.values())
 
     def allocated(self) -> int:
         """Bytes of the pinned buffers (CUDA) or of the content (CPU)."""
