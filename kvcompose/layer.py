@@ -41,7 +41,7 @@ from .path import PathTokens, gather, has_tier_tokens, segment_part
 from .pipeline import Pipeline, Selection
 from .prefetch import Merged
 from .segment import CacheStats, CoreConfig, QueryRing, Segment
-from .stores import DenseStore, KVStore, PagedStore, StoreView
+from .stores import KVStore, StoreView, make_store
 from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
 
 __all__ = ["ComposeLayer", "Segment", "QueryRing", "CoreConfig", "CacheStats", "check_incoming"]
@@ -160,15 +160,12 @@ class ComposeLayer(CacheLayerMixin):
         """Give a segment its store, tier state and pipeline state."""
         cfg, s = self.config, self.spec
         pipe = cfg.pipeline
-        if cfg.paged:
-            seg.store = PagedStore(s.batch, s.heads, s.head_dim, s.value_dim, s.dtype, s.device,
-                                   page_size=pipe.allocator.page_size, channels=pipe.channels)
-            budget = self.layer_budget()
-            if budget is not None and pipe.compresses:
-                seg.limits = pipe.allocator.initial_limits(budget, s.batch, s.heads, s.device)
-        else:
-            seg.store = DenseStore(s.batch, s.heads, s.head_dim, s.value_dim, s.dtype, s.device,
-                                   channels=pipe.channels, target=self.target_capacity(), reserve=cfg.reserve)
+        seg.store = make_store(cfg.paged, s.batch, s.heads, s.head_dim, s.value_dim, s.dtype, s.device,
+                               channels=pipe.channels, page_size=pipe.allocator.page_size,
+                               target=self.target_capacity(), reserve=cfg.reserve)
+        budget = self.layer_budget()
+        if cfg.paged and budget is not None and pipe.compresses:
+            seg.limits = pipe.allocator.initial_limits(budget, s.batch, s.heads, s.device)
         seg.tier = pipe.tier.init(s)
         seg.blocks = pipe.init(s)
 
