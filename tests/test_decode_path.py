@@ -225,6 +225,29 @@ def test_a_padding_mask_costs_one_sync_per_forward(name, store, tier):
     assert ordinary and all(c == 1 for c in ordinary), ordinary
 
 
+@pytest.mark.parametrize("tier", ["host", "evict"])
+def test_tree_cache_decode_steps_have_no_host_sync(tier):
+    """The tree cache's own per-forward work (ids and padding recorded on the device, accounting and the
+    budget check from host mirrors) adds no host sync to a decode step over a path of several nodes."""
+    from kvcompose import BranchCache, Evict
+
+    model = _model()
+    cache = BranchCache(model, budget=200, keep=0.25, tier=HostTier() if tier == "host" else Evict(),
+                        active_budget=64, interval=INTERVAL)
+    ids = _ids(60)
+    counts = []
+    with torch.no_grad():
+        model(input_ids=ids[:, :30], past_key_values=cache)
+        cache.switch(cache.fork(0))
+        for t in range(30, 60):
+            mode, events = HostSyncs(), cache.stats.compress_calls
+            with mode:
+                model(input_ids=ids[:, t : t + 1], past_key_values=cache)
+            if cache.stats.compress_calls == events:
+                counts.append(mode.count)
+    assert cache.memory().nodes >= 2 and counts and all(c == 0 for c in counts), counts
+
+
 # ------------------------------------------------------------------------------------------ (a) devices
 @pytest.mark.parametrize("name, store, tier", [c for c in _combos() if c[2] in (None, "hierarchy")])
 def test_every_tensor_the_cache_creates_follows_the_data(name, store, tier):

@@ -80,6 +80,7 @@ class PagedStore:
         self._table = np.full((batch, heads, 0), -1, dtype=np.int64)  # host page table
         self.page_table = torch.full((batch, heads, 0), -1, dtype=torch.long, device=self.pool.device)
         self._lens = np.zeros((batch, heads), dtype=np.int64)  # host lengths
+        self._pages = np.zeros((batch, heads), dtype=np.int64)  # host: pages held by each (row, head)
         self._lengths = torch.zeros(batch, heads, dtype=torch.long, device=self.pool.device)
         self._padding = False
         self._reserve = 0  # pages the pool keeps for the tokens appended until the next event (see `fit`)
@@ -155,7 +156,7 @@ class PagedStore:
         """Give every (row, head) enough pages for `new_lengths` tokens: decided on the host, the new table
         entries copied to the device table asynchronously (never a host sync)."""
         p = self.page_size
-        have = (self._table >= 0).sum(-1)
+        have = self._pages
         need = (new_lengths + p - 1) // p
         if not (need > have).any():
             return
@@ -169,6 +170,7 @@ class PagedStore:
         where = np.flatnonzero((col >= have[..., None]) & (col < need[..., None]))  # row-major (b, h, column)
         ids = self.pool.alloc(where.size)
         self._table.reshape(-1)[where] = ids
+        self._pages = np.maximum(have, need)
         new = torch.from_numpy(np.stack([where, ids])).to(self.device, non_blocking=True)
         self.page_table.view(-1).index_copy_(0, new[0], new[1])
 
@@ -177,9 +179,13 @@ class PagedStore:
         masks, no host sync). Unless `all_inside`, `idx` is `arange(Q)` per head and entries past a head's
         length are redirected to entry `(b0, h0, 0)` of a head that holds tokens, with that entry's own
         value, so the duplicates write identical values to one slot."""
-        slot, inside = self.slots(idx)
         n = idx.numel()
-        dst = slot.reshape(-1)
+        if all_inside:  # every index is held: no masking needed
+            p = self.page_size
+            dst = (self.page_table.gather(-1, idx // p) * p + idx % p).reshape(-1)
+        else:
+            slot, inside = self.slots(idx)
+            dst = slot.reshape(-1)
         src = None
         if not all_inside:
             if not (self._lens > 0).any():
@@ -204,6 +210,7 @@ class PagedStore:
         self.pool.release(self._table[drop])
         self._table[drop] = -1
         self._table = self._table[..., : int(keep_pages.max()) if keep_pages.size else 0].copy()
+        self._pages = np.minimum(self._pages, keep_pages)
         self._upload_table()
 
     def _fit_pool(self, reserve: int) -> None:
