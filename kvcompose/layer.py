@@ -352,17 +352,16 @@ class ComposeLayer(CacheLayerMixin):
         decoded = self.seen - self.prompt_length
         if decoded == 0 and not cfg.compress_prefill:
             return
-        merged = tokens.merged_of(seg) if isinstance(tokens, PathTokens) else None
         if cfg.trigger:  # the allocator decides which rows are due (GrowPage: a request's pages are full)
-            rows = rows_due(self, seg, decoded)
-            if rows is not None:
-                self.compress(seg, rows, merged=merged)
+            rows = cut = rows_due(self, seg, decoded)
+        elif decoded and decoded // cfg.interval == (decoded - q) // cfg.interval:
             return
-        if decoded and decoded // cfg.interval == (decoded - q) // cfg.interval:
-            return
-        rows = rows_over(self, seg)
+        else:
+            rows = rows_over(self, seg)
+            cut = rows if cfg.paged else None  # a dense layer cuts every row
         if rows is not None:
-            self.compress(seg, rows if cfg.paged else None, merged=merged)
+            merged = tokens.merged_of(seg) if isinstance(tokens, PathTokens) else None
+            self.compress(seg, cut, merged=merged)
 
     def view(self, seg: Segment | None = None, rows: Tensor | None = None, merged: Merged | None = None
              ) -> tuple[LayerView, Tensor, Merged | None]:

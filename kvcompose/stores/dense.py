@@ -17,7 +17,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from ..attention_math import attend_tokens
+from ..attention_math import attend, attend_tokens, needs_mask
 from ..kernels import compact as _compact_kernel
 from ..view import KVComposeError
 from .base import StoreView
@@ -153,9 +153,11 @@ class DenseStore:
         tokens, else masked by position (positions are written only then)."""
         n = self._n
         keys, values = self._k.narrow(2, 0, n), self._v.narrow(2, 0, n)
-        out, _ = attend_tokens(query, keys, values, lambda: self.view().positions, lambda: self.view().valid,
-                               self._padding, seen, scale, sliding_window, softcap, sinks)
-        return out
+        if not needs_mask(query.shape[2], self._padding, seen, sliding_window):
+            return attend(query, keys, values, None, scale, softcap, sinks)
+        v = self.view()
+        return attend_tokens(query, keys, values, v.positions, v.valid, True, seen, scale, sliding_window, softcap,
+                             sinks)[0]
 
     def valid_counts(self) -> Int[Tensor, "B H"]:
         if not self._padding:

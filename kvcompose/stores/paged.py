@@ -40,7 +40,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from ..attention_math import attend_tokens
+from ..attention_math import attend, attend_tokens
 from ..kernels import paged_decode_attention, select_backend
 from ..view import KVComposeError
 from .base import FAR_POSITION, StoreView
@@ -81,6 +81,7 @@ class PagedStore:
         self.page_table = torch.full((batch, heads, 0), -1, dtype=torch.long, device=self.pool.device)
         self._lens = np.zeros((batch, heads), dtype=np.int64)  # host lengths
         self._pages = np.zeros((batch, heads), dtype=np.int64)  # host: pages held by each (row, head)
+        self._room = 0  # host: tokens every (row, head) can append before one of them needs a page
         self._lengths = torch.zeros(batch, heads, dtype=torch.long, device=self.pool.device)
         self._padding = False
         self._reserve = 0  # pages the pool keeps for the tokens appended until the next event (see `fit`)
@@ -159,6 +160,7 @@ class PagedStore:
         have = self._pages
         need = (new_lengths + p - 1) // p
         if not (need > have).any():
+            self._sync_room()
             return
         m, width = int(need.max()), self._table.shape[-1]
         if m > width:  # more columns (geometrically, so the device table is rarely reallocated)
@@ -171,6 +173,7 @@ class PagedStore:
         ids = self.pool.alloc(where.size)
         self._table.reshape(-1)[where] = ids
         self._pages = np.maximum(have, need)
+        self._sync_room()
         new = torch.from_numpy(np.stack([where, ids])).to(self.device, non_blocking=True)
         self.page_table.view(-1).index_copy_(0, new[0], new[1])
 
@@ -211,7 +214,12 @@ class PagedStore:
         self._table[drop] = -1
         self._table = self._table[..., : int(keep_pages.max()) if keep_pages.size else 0].copy()
         self._pages = np.minimum(self._pages, keep_pages)
+        self._sync_room()
         self._upload_table()
+
+    def _sync_room(self) -> None:
+        """Tokens every (row, head) can still append without a new page (host)."""
+        self._room = int((self._pages * self.page_size - self._lens).min()) if self._lens.size else 0
 
     def _fit_pool(self, reserve: int) -> None:
         moved = self.pool.fit(self._table, reserve)
@@ -225,19 +233,32 @@ class PagedStore:
         self._lens = lengths.cpu().numpy().astype(np.int64)
 
     # -- reading --------------------------------------------------------------------------------------
+    def _held_slots(self) -> tuple[Int[Tensor, "B H T"], Bool[Tensor, "B H T"], Int[Tensor, " T"]]:
+        """Flat pool slots of every view slot `t < T` (T = max length; slots past a head's length point at
+        slot 0), which of them hold a token, and `arange(T)`: the column arithmetic is shared by all heads."""
+        t, p = self.held, self.page_size
+        ar = torch.arange(t, device=self.device)
+        if self.page_table.shape[-1] == 0:
+            return torch.zeros(self.batch, self.heads, t, dtype=torch.long, device=self.device), \
+                ar < self._lengths[..., None], ar
+        page = self.page_table.index_select(-1, ar // p)
+        slot = (page * p + ar % p).clamp_(min=0)
+        inside = ar < self._lengths[..., None]
+        return slot, inside, ar
+
     def view(self) -> StoreView:
         """A transient padded view, `T = max length`; slots past a head's length hold zeros, position
         `FAR_POSITION + t` and valid False. A copy, never kept by the store."""
         t = self.held
         b, h = self.batch, self.heads
-        idx = torch.arange(t, device=self.device).expand(b, h, t)
-        slot, inside = self.slots(idx)
+        slot, inside, ar = self._held_slots()
         s = slot.reshape(-1)
+        flat = self.pool.flat()
         zero = torch.zeros((), dtype=self.pool.keys.dtype, device=self.device)
-        k = torch.where(inside[..., None], self._flat(self.pool.keys)[s].view(b, h, t, -1), zero)
-        v = torch.where(inside[..., None], self._flat(self.pool.values)[s].view(b, h, t, -1), zero)
-        pos = torch.where(inside, self._flat(self.pool.positions)[s].view(b, h, t), FAR_POSITION + idx)
-        valid = inside & self._flat(self.pool.valid)[s].view(b, h, t)
+        k = torch.where(inside[..., None], flat["keys"].index_select(0, s).view(b, h, t, -1), zero)
+        v = torch.where(inside[..., None], flat["values"].index_select(0, s).view(b, h, t, -1), zero)
+        pos = torch.where(inside, flat["positions"].index_select(0, s).view(b, h, t), FAR_POSITION + ar)
+        valid = inside & flat["valid"].index_select(0, s).view(b, h, t)
         return StoreView(k, v, pos, valid)
 
     def valid_counts(self) -> Int[Tensor, "B H"]:
@@ -271,6 +292,15 @@ class PagedStore:
             p = self.pool
             return paged_decode_attention(query, p.keys, p.values, p.positions, p.valid, self.page_table,
                                           self._lengths, qpos, float(scale), sliding_window, check_indices=False)
+        if query.shape[2] == 1 and not self._padding and (sliding_window is None or seen <= sliding_window):
+            # a decode step over real tokens: every held key is visible, the mask is "slot < length" (the
+            # mask build_mask gives, from the lengths alone); slots past a head's length stay unread
+            slot, inside, _ = self._held_slots()
+            b, h, t = slot.shape
+            flat, s = self.pool.flat(), slot.reshape(-1)
+            keys = flat["keys"].index_select(0, s).view(b, h, t, -1)
+            values = flat["values"].index_select(0, s).view(b, h, t, -1)
+            return attend(query, keys, values, inside[:, :, None, :] if self.ragged else None, scale, softcap, sinks)
         v = self.view()
         out, _ = attend_tokens(query, v.keys, v.values, v.positions, v.valid, self.ragged, seen, scale,
                                sliding_window, softcap, sinks)
@@ -282,17 +312,31 @@ class PagedStore:
         b, h, q, _ = keys.shape
         if (b, h) != (self.batch, self.heads):
             raise KVComposeError(f"append: got {b} rows x {h} heads, the store holds {self.batch} x {self.heads}")
-        self._take_pages(self._lens + q)
-        idx = self._lengths[..., None] + torch.arange(q, device=self.device)
+        if q > self._room:
+            self._take_pages(self._lens + q)
+        idx = self._lengths[..., None] if q == 1 else self._lengths[..., None] + torch.arange(q, device=self.device)
         self._lens = self._lens + q
         self._lengths = self._lengths + q
-        pos = start.to(self.device) if isinstance(start, Tensor) else torch.arange(start, start + q, device=self.device)
-        ok = torch.ones(b, q, dtype=torch.bool, device=self.device) if valid is None else valid
-        data = {"keys": keys, "values": values, "positions": pos.expand(b, h, q), "valid": ok[:, None, :].expand(b, h, q)}
+        self._room -= q
+        p, n = self.page_size, b * h * q
+        dst = (self.page_table.gather(-1, idx // p) * p + idx % p).view(n)  # every new slot is held
+        flat = self.pool.flat()
+        flat["keys"].index_copy_(0, dst, keys.reshape(n, -1))
+        flat["values"].index_copy_(0, dst, values.reshape(n, -1))
+        if isinstance(start, Tensor):
+            flat["positions"].index_copy_(0, dst, start.to(self.device).expand(b, h, q).reshape(n))
+        elif q == 1:
+            flat["positions"].index_fill_(0, dst, int(start))
+        else:
+            flat["positions"].index_copy_(0, dst, torch.arange(start, start + q, device=self.device).expand(b, h, q)
+                                          .reshape(n))
+        if valid is None:
+            flat["valid"].index_fill_(0, dst, True)
+        else:
+            flat["valid"].index_copy_(0, dst, valid[:, None, :].expand(b, h, q).reshape(n))
+            self._padding = self._padding or not bool(valid.all())
         if self.channels:
-            data["channels"] = torch.zeros(b, h, q, self.channels, device=self.device)
-        self._write(idx, data, all_inside=True)
-        self._padding = self._padding or (valid is not None and not bool(valid.all()))
+            flat["channels"].index_fill_(0, dst, 0.0)
 
     def set_tail_valid(self, valid: Bool[Tensor, "B Q"]) -> None:
         b, q = valid.shape
@@ -325,6 +369,7 @@ class PagedStore:
         lens = lengths.cpu().numpy().astype(np.int64)
         self._take_pages(lens)
         self._lens, self._lengths = lens, lengths.clone()
+        self._sync_room()
         t = view.keys.shape[2]
         idx = torch.arange(t, device=self.device).expand(self.batch, self.heads, t)
         data = {"keys": view.keys, "values": view.values, "positions": view.positions, "valid": view.valid}

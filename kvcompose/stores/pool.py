@@ -78,6 +78,7 @@ class PagePool:
         self.channels = torch.zeros(0, p, channels, dtype=torch.float32, device=self.device)
         self.free: list[int] = []
         self._returned = np.zeros(0, dtype=bool)  # page was returned at least once
+        self._flat: dict[str, Tensor] | None = None
         self.grows = self.shrinks = self.handed_out = self.reused = 0
 
     # -- sizes ----------------------------------------------------------------------------------------
@@ -110,10 +111,18 @@ class PagePool:
         return {"keys": self.keys, "values": self.values, "positions": self.positions, "valid": self.valid,
                 "channels": self.channels}
 
+    def flat(self) -> dict[str, Tensor]:
+        """The same tensors viewed with one slot axis (`[n_pages * P, ...]`, views: writes land in the pool),
+        kept until the pool is reallocated."""
+        if self._flat is None:
+            self._flat = {k: t.view(t.shape[0] * t.shape[1], *t.shape[2:]) for k, t in self.tensors().items()}
+        return self._flat
+
     # -- pages ----------------------------------------------------------------------------------------
     def _reallocate(self, capacity: int, keep: np.ndarray | None = None) -> None:
         """New tensors of `capacity` pages holding the old pages `keep` (host ids; default: the first
         min(capacity, old) ones) at ids 0..len(keep)-1."""
+        self._flat = None
         idx = None if keep is None or not len(keep) else torch.from_numpy(np.ascontiguousarray(keep, dtype=np.int64)).to(
             self.device, non_blocking=True)
         for name, t in self.tensors().items():
