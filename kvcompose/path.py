@@ -94,11 +94,12 @@ class PathTokens:
 
 
 def has_tier_tokens(tier: TierStore, state: Any) -> bool:
-    """Whether a segment's tier state holds tokens attention must see (host-side)."""
+    """Whether a segment's tier state holds tokens attention must see (host-side; a tier that does not
+    mirror its counts, `TierStore.counts` None, is assumed to hold some: it is fetched and counted)."""
     if not tier.holds_tokens or not state:
         return False
     counts = tier.counts(state)
-    return counts is not None and bool(counts.any())
+    return counts is None or bool(counts.any())
 
 
 def segment_part(segment: Any, tier: TierStore, prefetcher: Prefetcher, channels: bool,
@@ -110,11 +111,17 @@ def segment_part(segment: Any, tier: TierStore, prefetcher: Prefetcher, channels
     if has_tier_tokens(tier, segment.tier):
         fetched = prefetcher.fetch(tier, segment.tier, segment, ahead)
         if fetched is not None and fetched.n:
-            totals = store.host_lengths + tier.counts(segment.tier)
-            width = int(totals.max())
-            m = Prefetcher.merge(view.keys, view.values, view.positions, view.valid, store.read_channels(),
-                                 fetched, width=width)
-            ragged = store.padded or tier.padded(segment.tier) or int(totals.min()) != width
+            counts = tier.counts(segment.tier)
+            if counts is None:  # a tier without host-side counts: sized on the device (a host sync), masked
+                m = Prefetcher.merge(view.keys, view.values, view.positions, view.valid, store.read_channels(),
+                                     fetched)
+                width, ragged = m.keys.shape[2], True
+            else:
+                totals = store.host_lengths + counts
+                width = int(totals.max())
+                m = Prefetcher.merge(view.keys, view.values, view.positions, view.valid, store.read_channels(),
+                                     fetched, width=width)
+                ragged = store.padded or tier.padded(segment.tier) or int(totals.min()) != width
             return StoreView(m.keys, m.values, m.positions, m.valid), m.channels, Part(segment, width, m, ragged)
     elif ahead:
         for key, state in list(ahead)[: prefetcher.lookahead]:

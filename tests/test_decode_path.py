@@ -386,3 +386,22 @@ def test_tiered_and_all_hbm_decoding_are_bit_identical_and_unmasked(dtype, monke
     assert host_a == 0 and host_b > 0  # the second run really attends tier tokens
     assert torch.equal(a, b)
     assert un_a and all(un_a) and all(un_b) and len(un_a) == len(un_b)
+
+
+def test_a_tier_without_host_counts_is_still_attended():
+    """A third-party tier that does not mirror its counts on the host (`TierStore.counts` None) is fetched and
+    sized on the device instead of being skipped: its tokens still count, exactly."""
+
+    class NoMirror(HostTier):
+        def store(self, *args, **kwargs):
+            state = super().store(*args, **kwargs)
+            state.pop("counts", None)
+            return state
+
+    model = _model()
+    ids = _ids(PROMPT + 12)
+    full = _decode(model, _cache(model, methods.full()), ids, 12)
+    cache = _cache(model, with_tier(methods.h2o(), NoMirror()))
+    got = _decode(model, cache, ids, 12)
+    assert cache.memory().by_tier["host"] > 0
+    assert torch.equal(got, full)
