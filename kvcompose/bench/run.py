@@ -147,6 +147,49 @@ def select_questions(tok, path: str, n: int, offset: int, min_prompt_tokens: int
     return out[:n]
 
 
+def select_prompt_groups(tok, path: str, n_groups: int = 4, group_size: int = 8, seed: int = 0,
+                         exclude: set[str] | frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """A seeded, length-grouped sample of questions: `n_groups` groups of `group_size` questions whose chat
+    prompts have the same token length (the selection of `kvcompose bench fidelity --groups`).
+
+    The rule: shuffle every record of `path` with `random.Random(seed)`; walk the shuffled order, skipping
+    ids in `exclude`; put each question in the group of its chat-prompt length (`prompt_ids`); a group
+    that reaches `group_size` questions is complete and its length takes no more questions; stop at
+    `n_groups` complete groups. Returned group by group, in the order the groups completed, each group in
+    walk order.
+
+    Why groups of equal length: kvpress's presses score every slot of the cache, padding included, so a
+    left-padded batch is not the same computation as its rows alone; a group of equal-length prompts needs
+    no padding, and kvpress can score it in one forward per step exactly as it scores each prompt alone.
+    kvcompose's batches need no such grouping (its blocks skip padding), but use the same questions.
+    """
+    import random
+
+    if n_groups <= 0 or group_size <= 0:
+        raise KVComposeError(f"n_groups and group_size must be positive, got {n_groups} and {group_size}")
+    records = load_questions(path)
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    groups: dict[int, list[dict[str, Any]]] = {}
+    done: list[int] = []
+    for i in order:
+        q = records[i]
+        if q["id"] in exclude:
+            continue
+        n = len(prompt_ids(tok, q["question"]))
+        if n in done:
+            continue
+        groups.setdefault(n, []).append(q)
+        if len(groups[n]) == group_size:
+            done.append(n)
+            if len(done) == n_groups:
+                break
+    if len(done) < n_groups:
+        raise KVComposeError(f"{path} has only {len(done)} prompt lengths with {group_size} unused questions, "
+                             f"{n_groups} groups were asked for")
+    return [q for n in done for q in groups[n]]
+
+
 def _start_kvpress(cfg: FidelityConfig, traces: list[Trace], model_name: str, out: Path, log) -> dict[str, Any]:
     from . import kvpress
 
