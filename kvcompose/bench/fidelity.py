@@ -48,7 +48,9 @@ from torch import Tensor
 
 from ..view import KVComposeError
 from .data import load_questions
-from .metrics import extract_answer, gsm8k_answer, kl_divergence, perplexity_ratio, top1_agreement
+from .metrics import (
+    BOOTSTRAP_RESAMPLES, bootstrap_mean, extract_answer, gsm8k_answer, kl_divergence, perplexity_ratio, top1_agreement,
+)
 from .traces import RECALL_INSTRUCTION, RepetitionGuard, Trace, make_traces, prompt_ids, recall_ids
 
 __all__ = [
@@ -230,10 +232,20 @@ class FidelityResult:
     def merge(cls, results: Iterable["FidelityResult"]) -> "FidelityResult":
         return cls([t for r in results for t in r.traces])
 
+    def intervals(self, level: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict[str, Any]:
+        """Percentile bootstrap intervals over traces (prompts) of the pooled mean KL and top-1
+        (`kvcompose.bench.metrics.bootstrap_mean`, seeded): `{"kl_ci": [lo, hi], "top1_ci": [lo, hi], ...}`."""
+        if not self.traces:
+            return {}
+        counts = [len(t.kl) for t in self.traces]
+        return {"kl_ci": list(bootstrap_mean([sum(t.kl) for t in self.traces], counts, level, resamples, seed)),
+                "top1_ci": list(bootstrap_mean([sum(t.top1) for t in self.traces], counts, level, resamples, seed)),
+                "ci_level": level, "ci_resamples": resamples, "ci_seed": seed}
+
     def summary(self, bucket: int = 64) -> dict[str, Any]:
-        """The numbers as a JSON-ready dict."""
+        """The numbers as a JSON-ready dict (with 95% bootstrap intervals over traces, `intervals`)."""
         return {
-            "top1": self.top1, "kl_mean": self.kl_mean, "ppl_ratio": self.ppl_ratio,
+            "top1": self.top1, "kl_mean": self.kl_mean, **self.intervals(), "ppl_ratio": self.ppl_ratio,
             "max_held_tokens": self.max_held_tokens, "max_kv_bytes": self.max_kv_bytes, "kv_ratio": self.kv_ratio,
             "recall_delta": self.recall_delta, "n_traces": len(self.traces), "n_tokens": self.n_tokens,
             "kl_curve": self.kl_curve(bucket), "kl_curve_bucket": bucket, "seconds": round(self.seconds, 3),
