@@ -109,3 +109,90 @@ def test_batch_refuses_unequal_traces():
     model = tiny_model("llama", layers=2)
     with pytest.raises(KVComposeError, match="equally long"):
         evaluate_batch(model, [_trace(1, 10, n=20), _trace(2, 10, n=24)], lambda: KVComposeCache(model))
+
+
+# ------------------------------------------------------------------------------ the CLI: batches, resume, held out
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from kvcompose.bench.tiny import save_tiny_chat_model
+
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def grouped_questions(tmp_path_factory):
+    """Ten questions, character-tokenized: three of 31 characters, three of 40, four of 34 (lengths repeat)."""
+    import json
+
+    qs = [f"Ann has {i} red pens. How many?" for i in range(3)] + \
+         [f"Bob has {i} blue cups and {i} mugs. Total?" for i in range(3)] + \
+         [f"Cy owns {i} cats, {i} dogs. Pets?" + "!" * (i % 2) for i in range(4)]
+    p = tmp_path_factory.mktemp("data") / "q.jsonl"
+    p.write_text("\n".join(json.dumps({"question": q, "answer": "#### 1"}) for q in qs))
+    return str(p)
+
+
+def _fid(tiny_dir, data, out, *extra):
+    from kvcompose import cli
+
+    return cli.main(["bench", "fidelity", "--model", tiny_dir, "--data", data, "--new-tokens", "24", "--kinds", "sampled",
+                     "--budgets", "40", "--interval", "8", "--short-budgets", "--free-gen-prompts", "0",
+                     "--out", str(out), *extra])
+
+
+def test_cli_batches_resumes_and_holds_out(tiny_dir, grouped_questions, tmp_path, monkeypatch):
+    import json
+
+    from kvcompose.bench import fidelity, run
+    from kvcompose.bench.tiny import tiny_chat_model
+    from kvcompose.bench.traces import prompt_ids
+
+    pipes = tmp_path / "pipes.py"
+    pipes.write_text("from kvcompose import Pipeline, ProtectPrompt, KeyNorm, TopK\n"
+                     "PIPELINES = {'knorm+prompt': lambda budget: Pipeline(ProtectPrompt(), KeyNorm(), TopK())}\n")
+    out = tmp_path / "a"
+    args = ["--groups", "2", "--group-size", "2", "--select-seed", "3", "--batch-size", "2", "--methods", "full",
+            "h2o", "knorm+prompt", "--pipelines", str(pipes), "--references", str(tmp_path / "refs")]
+    assert _fid(tiny_dir, grouped_questions, out, *args) == 0
+    data = json.loads((out / "fidelity.json").read_text())
+    traces = json.loads((out / "traces.json").read_text())["items"]
+    _, tok = tiny_chat_model()
+    lens = [len(prompt_ids(tok, t["question"])) for t in traces]
+    assert len(traces) == 4 and lens[0] == lens[1] and lens[2] == lens[3] and lens[0] != lens[2]
+    rows = {(r["method"], r["budget"]): r for r in data["rows"]}
+    assert rows[("full", None)]["kl_mean"] < 1e-6
+    h2o = rows[("h2o", 40)]
+    assert h2o["n_traces"] == 4 and h2o["kl_mean"] > 1e-4
+    assert h2o["kl_ci"][0] <= h2o["kl_mean"] <= h2o["kl_ci"][1] and h2o["kl_ci"][0] < h2o["kl_ci"][1]
+    assert rows[("knorm+prompt", 40)]["pipeline"].startswith("Pipeline(ProtectPrompt")
+    assert data["selection"]["seed"] == 3 and len(list((tmp_path / "refs").glob("*.pt"))) == 4
+
+    # one trace at a time on the same traces: the same per-trace numbers
+    single = tmp_path / "single"
+    assert _fid(tiny_dir, grouped_questions, single, "--traces", str(out / "traces.json"), "--methods", "h2o",
+                "--groups", "2", "--group-size", "2") == 0
+    s_row = next(r for r in json.loads((single / "fidelity.json").read_text())["rows"] if r["method"] == "h2o")
+    assert [p["kl_mean"] for p in s_row["per_trace"]] == pytest.approx([p["kl_mean"] for p in h2o["per_trace"]],
+                                                                        abs=1e-5)
+
+    # a killed run: the last batch of h2o lost; the rerun computes only that batch and gives the same numbers
+    cell = next((out / "cells").glob("kvcompose__h2o__40.jsonl"))
+    lines = cell.read_text().splitlines()
+    cell.write_text("\n".join(lines[:2]) + "\n" + lines[2][:30])  # two traces kept, the third cut mid-line
+    calls = []
+    real = fidelity.evaluate_batch
+    monkeypatch.setattr(fidelity, "evaluate_batch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert _fid(tiny_dir, grouped_questions, out, *args, "--traces", str(out / "traces.json")) == 0
+    assert len(calls) == 1  # the lost batch only
+    again = {(r["method"], r["budget"]): r for r in json.loads((out / "fidelity.json").read_text())["rows"]}
+    assert [p["kl_mean"] for p in again[("h2o", 40)]["per_trace"]] == pytest.approx(
+        [p["kl_mean"] for p in h2o["per_trace"]], abs=1e-6)
+
+    # a held-out set: other questions, chosen by the same rule with another seed
+    held = tmp_path / "held"
+    assert _fid(tiny_dir, grouped_questions, held, "--groups", "1", "--group-size", "2", "--select-seed", "4",
+                "--exclude", str(out / "traces.json"), "--batch-size", "2", "--methods", "h2o") == 0
+    ids = {t["id"] for t in json.loads((held / "traces.json").read_text())["items"]}
+    assert len(ids) == 2 and not ids & {t["id"] for t in traces}
+    assert run.select_prompt_groups(tok, grouped_questions, 2, 2, 3) == run.select_prompt_groups(
+        tok, grouped_questions, 2, 2, 3)

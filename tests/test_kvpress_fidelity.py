@@ -53,3 +53,27 @@ def test_press_batches_group_equal_lengths_and_refuse_padding():
     model = tiny_model("llama", layers=2)
     with pytest.raises(KVComposeError, match="equal prompt"):
         evaluate_press_batch(model, [a, b], make_press("tova", 16, interval=8))
+
+
+def test_cli_runs_kvpress_in_process_on_the_same_references(tmp_path):
+    import json
+
+    from kvcompose import cli
+    from kvcompose.bench.tiny import save_tiny_chat_model
+
+    model_dir = save_tiny_chat_model(tmp_path / "model")
+    data = tmp_path / "q.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"Ann has {i} red pens. How many?", "answer": "#### 1"})
+                              for i in range(4)))
+    out = tmp_path / "out"
+    assert cli.main(["bench", "fidelity", "--model", model_dir, "--data", str(data), "--groups", "1", "--group-size",
+                     "3", "--new-tokens", "24", "--kinds", "sampled", "--methods", "knorm", "--budgets", "40",
+                     "--interval", "8", "--short-budgets", "--free-gen-prompts", "0", "--batch-size", "3",
+                     "--kvpress-inprocess", "--kvpress-presses", "tova", "knorm", "--out", str(out)]) == 0
+    rows = {(r["engine"].split()[0], r["method"]): r for r in json.loads((out / "fidelity.json").read_text())["rows"]}
+    kp, kc = rows[("kvpress", "knorm")], rows[("kvcompose", "knorm")]
+    assert kp["n_traces"] == 3 and "kl_ci" in kp and kp["kl_mean"] > 1e-4
+    # kvcompose's knorm is kvpress's KnormPress rule (kept in time order, which attention does not see), and both
+    # engines are scored against the same full-cache references
+    assert [p["kl_mean"] for p in kp["per_trace"]] == pytest.approx([p["kl_mean"] for p in kc["per_trace"]], rel=0.01)
+    assert rows[("kvpress", "tova")]["kl_mean"] > 0
