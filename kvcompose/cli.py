@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trace kinds (default: sampled worked)")
     f.add_argument("--methods", nargs="+", default=methods,
                    help="presets, or names from --pipelines (default: every preset)")
-    f.add_argument("--pipelines", default=None,
-                   help="a Python file defining PIPELINES = {name: callable(budget) -> Pipeline} (compositions)")
+    f.add_argument("--pipelines", nargs="+", default=None,
+                   help="Python files defining PIPELINES = {name: callable(budget) -> Pipeline} (compositions)")
     f.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512], help="budgets (default 64 128 256 512)")
     f.add_argument("--interval", type=int, default=None,
                    help="compression interval for every method (default: each preset's own: R-KV 128, the others 64)")

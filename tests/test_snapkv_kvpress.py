@@ -109,3 +109,18 @@ def test_each_difference_changes_what_is_kept(setup, change):
     model, traces, refs, kvpress_kept, _ = setup
     kept, _ = _kvcompose_events(model, traces, refs, **change)
     assert kept != kvpress_kept
+
+
+def test_sorted_kvpress_is_the_time_order_rule(setup):
+    """With its kept slots sorted back into cache order (time order), kvpress's SnapKV is the same pipeline
+    without the slot-order emulation: the pooling order is the only thing the sorting changes."""
+    from kvcompose.bench.kvpress_fidelity import sorted_press
+
+    model, traces, refs, _, unsorted = setup
+    press = kvpress.DecodingPress(base_press=sorted_press(kvpress.SnapKVPress(window_size=WINDOW)),
+                                  compression_interval=INTERVAL, target_size=BUDGET)
+    kvp = evaluate_press_batch(model, traces, press, refs)
+    _, kvc = _kvcompose_events(model, traces, refs, slot_order=False)
+    for a, b in zip(kvc, kvp):
+        assert a.kl == pytest.approx(b.kl, abs=1e-5, rel=1e-3)
+    assert any(a.kl != pytest.approx(b.kl, abs=1e-5, rel=1e-3) for a, b in zip(kvp, unsorted))

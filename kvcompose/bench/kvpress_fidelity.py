@@ -34,7 +34,7 @@ from .fidelity import HiddenReference, TraceScore, _decoder, _device, head_logit
 from .metrics import kl_divergence, top1_agreement
 from .traces import Trace
 
-__all__ = ["PRESSES", "press_names", "base_press", "make_press", "press_batches", "evaluate_press_batch",
+__all__ = ["PRESSES", "press_names", "base_press", "sorted_press", "make_press", "press_batches", "evaluate_press_batch",
            "kvpress_version"]
 
 
@@ -75,6 +75,33 @@ PRESSES: dict[str, Callable[[Any, int], Any]] = {
     "noncausal": lambda kp, seed: kp.NonCausalAttnPress(),
     "pyramidkv": lambda kp, seed: kp.PyramidKVPress(window_size=16),
 }
+
+
+def sorted_press(press):
+    """`press` (a kvpress `ScorerPress`) whose kept slots are put back in their cache order after `topk`
+    (kvpress leaves them in descending score order). Only for analysis (docs/results.md, SnapKV): with every
+    compression sorted, the cache stays in time order, as kvcompose keeps it."""
+    from dataclasses import fields
+
+    from kvpress.utils import compute_n_kept
+
+    base = type(press)
+
+    class Sorted(base):  # type: ignore[misc, valid-type]
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            if self.compression_ratio == 0:
+                return keys, values
+            scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+            n_kept = compute_n_kept(keys.shape[2], self.compression_ratio)
+            idx = scores.topk(n_kept, dim=-1).indices.sort(dim=-1).values
+            g = idx.unsqueeze(-1).expand(-1, -1, -1, module.head_dim)
+            return keys.gather(2, g).contiguous(), values.gather(2, g).contiguous()
+
+    Sorted.__name__ = Sorted.__qualname__ = f"Sorted{base.__name__}"
+    return Sorted(**{f.name: getattr(press, f.name) for f in fields(press) if f.init})
+
+
+PRESSES["snapkv(sorted)"] = lambda kp, seed: sorted_press(kp.SnapKVPress(window_size=16))
 
 
 def press_names() -> list[str]:

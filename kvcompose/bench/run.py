@@ -70,7 +70,7 @@ class FidelityConfig:
     group_size: int = 8
     select_seed: int = 0
     exclude: list[str] | None = None  # traces.json files whose questions are not selected (held-out sets)
-    pipelines: str | None = None  # a Python file with PIPELINES = {name: callable(budget) -> Pipeline}
+    pipelines: list[str] | str | None = None  # Python files with PIPELINES = {name: callable(budget) -> Pipeline}
     references: str | None = None  # folder of full-cache references (hidden states), reused across runs
     kl_bucket: int = 64
     threads: int | None = None
@@ -424,7 +424,9 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
     data_path = cfg.data or default_data_path()
     if data_path is None and not cfg.traces:
         resolve_questions(None, None)  # raises the error that names --data, --dataset and $KVCOMPOSE_GSM8K
-    custom = load_pipelines(cfg.pipelines) if cfg.pipelines else {}
+    custom: dict[str, Any] = {}
+    for f in [cfg.pipelines] if isinstance(cfg.pipelines, str) else (cfg.pipelines or []):
+        custom.update(load_pipelines(f))
     for m in cfg.methods:
         if m not in _methods.PRESETS and m not in custom:
             raise KVComposeError(f"unknown method {m!r}; presets: {', '.join(_methods.PRESETS)}"
