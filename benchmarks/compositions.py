@@ -79,6 +79,28 @@ def streaming_prompt(budget: int | None = None) -> Pipeline:
     return Pipeline(ProtectSinks(4), _prompt(), Recency(), TopK(), name="streaming_llm+prompt")
 
 
+def h2o_recent(recent: int | float) -> callable:
+    """H2O with another recent window (the preset keeps half the budget recent)."""
+    return lambda budget=None: Pipeline(ProtectRecent(recent), AccumulatedAttention(), TopK(), name=f"h2o(recent={recent})")
+
+
+def h2o_prompt_recent(recent: int | float) -> callable:
+    return lambda budget=None: Pipeline(ProtectRecent(recent), _prompt(), AccumulatedAttention(), TopK(),
+                                        name=f"h2o+prompt(recent={recent})")
+
+
+def h2o_snapkv(budget: int | None = None, recent: int | float = 32) -> Pipeline:
+    """H2O's accumulated attention per query that could see the token plus SnapKV's window attention (window 32,
+    pooled): long-run and recent importance in one score."""
+    return Pipeline(ProtectRecent(recent), AccumulatedAttention(normalize=True)
+                    + WindowedAttention(32, gqa="mean", pool="avg", kernel=5), TopK(), name="h2o+snapkv")
+
+
+def h2o_snapkv_prompt(budget: int | None = None) -> Pipeline:
+    return Pipeline(ProtectRecent(32), _prompt(), AccumulatedAttention(normalize=True)
+                    + WindowedAttention(32, gqa="mean", pool="avg", kernel=5), TopK(), name="h2o+snapkv+prompt")
+
+
 PIPELINES = {
     "h2o+prompt": h2o_prompt,
     "h2o+value": h2o_value,
@@ -90,6 +112,11 @@ PIPELINES = {
     "rkv+prompt": rkv_prompt,
     "h2o+redundancy": h2o_redundancy,
     "streaming_llm+prompt": streaming_prompt,
+    "h2o(recent=32)": h2o_recent(32),
+    "h2o(recent=64)": h2o_recent(64),
+    "h2o+prompt(recent=32)": h2o_prompt_recent(32),
+    "h2o+snapkv": h2o_snapkv,
+    "h2o+snapkv+prompt": h2o_snapkv_prompt,
 }
 
 PARENTS = {
@@ -103,4 +130,6 @@ PARENTS = {
     "rkv+prompt": ("rkv", "random_attention"),
     "h2o+redundancy": ("h2o", "rkv"),
     "streaming_llm+prompt": ("streaming_llm", "random_attention"),
+    "h2o+snapkv": ("h2o", "snapkv"),
+    "h2o+snapkv+prompt": ("h2o+snapkv", "snapkv+prompt"),
 }
