@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--new-tokens", type=int, default=1536, help="reference trace length in tokens (default 1536)")
     f.add_argument("--kinds", nargs="+", default=["sampled", "worked"], choices=["sampled", "greedy", "worked"],
                    help="trace kinds (default: sampled worked)")
-    f.add_argument("--methods", nargs="+", default=methods,
-                   help="presets, or names from --pipelines (default: every preset)")
+    f.add_argument("--methods", nargs="*", default=methods,
+                   help="presets, or names from --pipelines (default: every preset; none with --kvpress-inprocess "
+                   "runs kvpress only)")
     f.add_argument("--pipelines", nargs="+", default=None,
                    help="Python files defining PIPELINES = {name: callable(budget) -> Pipeline} (compositions)")
     f.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512], help="budgets (default 64 128 256 512)")

@@ -562,7 +562,9 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
                 if all(t.id in done for t in group):
                     scores = [done[t.id] for t in group]
                 elif engine == "kvcompose":
-                    make = lambda: KVComposeCache(model, pipe, budget=b, interval=cfg.interval, seed=cfg.seed)  # noqa: E731
+                    # a fresh pipeline per cache: a pipeline file may hold per-cache state (an emulation)
+                    make = lambda: KVComposeCache(model, _pipeline(m, b, custom) if m != "full" else pipe,  # noqa: E731
+                                                  budget=b, interval=cfg.interval, seed=cfg.seed)
                     if len(group) == 1 and cfg.batch_size == 1:
                         cache = make()
                         scores = [evaluate_trace(model, group[0], cache)]
