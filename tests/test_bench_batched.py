@@ -188,6 +188,12 @@ def test_cli_batches_resumes_and_holds_out(tiny_dir, grouped_questions, tmp_path
     assert [p["kl_mean"] for p in again[("h2o", 40)]["per_trace"]] == pytest.approx(
         [p["kl_mean"] for p in h2o["per_trace"]], abs=1e-6)
 
+    # another method into the same folder: the earlier rows stay in fidelity.json
+    assert _fid(tiny_dir, grouped_questions, out, "--groups", "2", "--group-size", "2", "--batch-size", "2",
+                "--traces", str(out / "traces.json"), "--methods", "tova", "--references", str(tmp_path / "refs")) == 0
+    assert {r["method"] for r in json.loads((out / "fidelity.json").read_text())["rows"]} == {
+        "full", "h2o", "knorm+prompt", "tova"}
+
     # a held-out set: other questions, chosen by the same rule with another seed
     held = tmp_path / "held"
     assert _fid(tiny_dir, grouped_questions, held, "--groups", "1", "--group-size", "2", "--select-seed", "4",

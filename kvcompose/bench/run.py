@@ -373,7 +373,7 @@ def _round(xs: list[float]) -> list[float]:
     return [float(f"{x:.7g}") for x in xs]
 
 
-def _save_scores(path: Path, scores: list) -> None:
+def _save_scores(path: Path, scores: list, cell: tuple[str, str, int | None]) -> None:
     from dataclasses import asdict
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -382,22 +382,33 @@ def _save_scores(path: Path, scores: list) -> None:
             d = asdict(sc)
             for k in ("top1", "kl", "nll", "nll_full"):
                 d[k] = _round(d[k])
-            f.write(json.dumps(d) + "\n")
+            f.write(json.dumps({"engine": cell[0], "method": cell[1], "budget": cell[2], **d}) + "\n")
 
 
-def _load_scores(path: Path) -> dict[str, Any]:
+def _read_cell(path: Path) -> tuple[tuple[str, str, int | None] | None, dict[str, Any]]:
+    """`((engine, method, budget), {trace id: TraceScore})` of a cell file (lines cut by a killed run are skipped:
+    their batch runs again)."""
+    from dataclasses import fields
+
     from .fidelity import TraceScore
 
+    names = {f.name for f in fields(TraceScore)}
     done: dict[str, Any] = {}
+    cell = None
     if path.exists():
         for line in path.read_text().splitlines():
             if line.strip():
                 try:
                     d = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by a killed run: that batch runs again
+                except json.JSONDecodeError:
                     continue
-                done[d["id"]] = TraceScore(**d)
-    return done
+                cell = (d.get("engine"), d.get("method"), d.get("budget"))
+                done[d["id"]] = TraceScore(**{k: v for k, v in d.items() if k in names})
+    return cell, done
+
+
+def _load_scores(path: Path) -> dict[str, Any]:
+    return _read_cell(path)[1]
 
 
 def _kvpress_engine() -> str:
@@ -543,6 +554,20 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
         data["elapsed_s"] = time.perf_counter() - t_start
         _write(out, data)
 
+    # cells of earlier invocations into the same folder (other methods or budgets) stay in the tables
+    ids = {t.id for t in traces} | {short[t.id].id for t in traces}
+    for path in sorted((out / "cells").glob("*.jsonl")):
+        cell, done = _read_cell(path)
+        if cell is None or cell in combos or cell[0] is None:
+            continue
+        sink = results if cell[0] == "kvcompose" else press_results
+        for sc in done.values():
+            if sc.id in ids:
+                sink.setdefault((cell[1], cell[2], sc.kind), []).append(sc)
+        if cell[0] != "kvcompose":
+            kv_engine = kv_engine or cell[0]
+    refresh()
+
     total = sum(len(batches(e, b)) for e, _, b in combos)
     bar = tqdm(total=total, desc="fidelity", unit="batch", dynamic_ncols=True)
     for engine, m, b in combos:
@@ -571,11 +596,11 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
                         cache.close()
                     else:
                         scores = evaluate_batch(model, group, make, references=[refs[t.id] for t in group])
-                    _save_scores(cell, scores)
+                    _save_scores(cell, scores, (engine, m, b))
                 else:
                     press = make_press(m, b, interval=cfg.interval or 64, seed=cfg.seed)
                     scores = evaluate_press_batch(model, group, press, [refs[t.id] for t in group])
-                    _save_scores(cell, scores)
+                    _save_scores(cell, scores, (engine, m, b))
                 for t, sc in zip(group, scores):
                     sink.setdefault((m, b, t.kind), []).append(sc)
             except Exception as e:  # noqa: BLE001 - one failing method must not lose the others' results
