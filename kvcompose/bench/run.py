@@ -309,14 +309,30 @@ def load_pipelines(path: str | os.PathLike) -> dict[str, Any]:
     return table
 
 
-def _pipeline(name: str, budget: int | None, custom: dict[str, Any]):
-    if name in custom:
-        pipe = custom[name](budget)
-        from ..pipeline import Pipeline
+def _known(name: str, custom: dict[str, Any]) -> bool:
+    return name in _methods.PRESETS or name in getattr(_methods, "PORTED", {}) or name in custom
 
+
+def _pipeline(name: str, budget: int | None, custom: dict[str, Any], model=None):
+    """The pipeline `name`: from a pipelines file (`fn(budget)`, or `fn(budget, model=model)` when it takes a
+    `model`), a preset ported from kvpress (`methods.preset(name, model=model)`: some need the model's rotary
+    embedding or output projections), or a preset at its published defaults (`make_pipeline`)."""
+    import inspect
+
+    from ..pipeline import Pipeline
+
+    if name in custom:
+        fn = custom[name]
+        try:
+            takes_model = "model" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            takes_model = False
+        pipe = fn(budget, model=model) if takes_model else fn(budget)
         if not isinstance(pipe, Pipeline):
             raise KVComposeError(f"pipeline {name!r} returned {type(pipe).__name__}, not a kvcompose Pipeline")
         return pipe
+    if name not in _methods.PRESETS and name in getattr(_methods, "PORTED", {}):
+        return _methods.preset(name, model=model)
     return make_pipeline(name, budget)
 
 
@@ -439,13 +455,10 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
     for f in [cfg.pipelines] if isinstance(cfg.pipelines, str) else (cfg.pipelines or []):
         custom.update(load_pipelines(f))
     for m in cfg.methods:
-        if m not in _methods.PRESETS and m not in custom:
-            raise KVComposeError(f"unknown method {m!r}; presets: {', '.join(_methods.PRESETS)}"
+        if not _known(m, custom):
+            raise KVComposeError(f"unknown method {m!r}; presets: "
+                                 f"{', '.join([*_methods.PRESETS, *getattr(_methods, 'PORTED', {})])}"
                                  + (f"; from {cfg.pipelines}: {', '.join(custom)}" if custom else ""))
-    for b in cfg.budgets:
-        for m in cfg.methods:
-            if m != "full":
-                _pipeline(m, b, custom).validate(b)
     presses = list(cfg.kvpress_presses or []) if cfg.kvpress_inprocess else []
     if presses:
         from .kvpress_fidelity import PRESSES
@@ -459,6 +472,10 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
     log(f"loading model {cfg.model or 'SmolLM2-135M-Instruct (GGUF)'} ...")
     model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
     model_name = cfg.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
+    for b in cfg.budgets:
+        for m in cfg.methods:
+            if m != "full":
+                _pipeline(m, b, custom, model).validate(b)
     exclude: set[str] = set()
     for f in cfg.exclude or []:
         exclude |= {d["id"].split("/")[0] for d in json.loads(Path(f).read_text())["items"]}
@@ -575,7 +592,7 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
         done = _load_scores(cell)
         sink = results if engine == "kvcompose" else press_results
         if engine == "kvcompose":
-            pipe = _pipeline(m, b, custom) if m != "full" else _methods.full()
+            pipe = _pipeline(m, b, custom, model) if m != "full" else _methods.full()
             pipelines[(m, b)] = repr(pipe)
             intervals[(m, b)] = (cfg.interval or pipe.interval or 64) if pipe.compresses else None
         for group in batches(engine, b):
@@ -588,7 +605,7 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
                     scores = [done[t.id] for t in group]
                 elif engine == "kvcompose":
                     # a fresh pipeline per cache: a pipeline file may hold per-cache state (an emulation)
-                    make = lambda: KVComposeCache(model, _pipeline(m, b, custom) if m != "full" else pipe,  # noqa: E731
+                    make = lambda: KVComposeCache(model, _pipeline(m, b, custom, model) if m != "full" else pipe,  # noqa: E731
                                                   budget=b, interval=cfg.interval, seed=cfg.seed)
                     if len(group) == 1 and cfg.batch_size == 1:
                         cache = make()
@@ -619,7 +636,7 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
         for m, b in tqdm(fcombos, desc="free generation", unit="run", dynamic_ncols=True):
             if ("kvcompose", m, b) in errors:
                 continue
-            pipe = _pipeline(m, b, custom)
+            pipe = _pipeline(m, b, custom, model)
             try:
                 res = free_generation(model, tok, fq, lambda: KVComposeCache(model, pipe, budget=b, interval=cfg.interval,
                                                                               seed=cfg.seed),
