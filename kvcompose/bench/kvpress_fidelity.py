@@ -68,6 +68,8 @@ PRESSES: dict[str, Callable[[Any, int], Any]] = {
     "keydiff": lambda kp, seed: kp.KeyDiffPress(),
     "lagkv": lambda kp, seed: kp.LagKVPress(),
     "cur": lambda kp, seed: kp.CURPress(),
+    # LeverageScorePress, CompactorPress and NonCausalAttnPress assert "only supports prefill" in 0.5.5: they
+    # cannot run inside DecodingPress, so they are listed for prefill use only
     "leverage": lambda kp, seed: kp.LeverageScorePress(),
     "compactor": lambda kp, seed: kp.CompactorPress(),
     "criticalkv": lambda kp, seed: kp.CriticalKVPress(kp.SnapKVPress(window_size=16)),

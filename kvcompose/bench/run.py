@@ -552,7 +552,9 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
     traces = [t for group in zip(*by_kind) for t in group] + [t for g in by_kind for t in g[min(map(len, by_kind)):]]
     refs: dict[str, Any] = {}
     if cfg.batch_size > 1 or presses:
-        refs = references_for(model, list(traces) + [short[t.id] for t in traces if short[t.id] is not t],
+        needed = {b in cfg.short_budgets for _, _, b in combos}
+        refs = references_for(model, (list(traces) if False in needed or not combos else [])
+                              + ([short[t.id] for t in traces if short[t.id] is not t] if True in needed else []),
                               cfg.references, model_name, cfg.dtype, batch_size=max(cfg.batch_size, 8), log=log)
 
     from .fidelity import evaluate_batch
