@@ -76,11 +76,29 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--new-tokens", type=int, default=1536, help="reference trace length in tokens (default 1536)")
     f.add_argument("--kinds", nargs="+", default=["sampled", "worked"], choices=["sampled", "greedy", "worked"],
                    help="trace kinds (default: sampled worked)")
-    f.add_argument("--methods", nargs="+", default=methods, choices=methods, help="presets (default: all)")
+    f.add_argument("--methods", nargs="*", default=methods,
+                   help="presets, or names from --pipelines (default: every preset; none with --kvpress-inprocess "
+                   "runs kvpress only)")
+    f.add_argument("--pipelines", nargs="+", default=None,
+                   help="Python files defining PIPELINES = {name: callable(budget) -> Pipeline} (compositions)")
     f.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512], help="budgets (default 64 128 256 512)")
     f.add_argument("--interval", type=int, default=None,
                    help="compression interval for every method (default: each preset's own: R-KV 128, the others 64)")
-    f.add_argument("--short-budgets", nargs="+", type=int, default=[64, 128],
+    f.add_argument("--batch-size", type=int, default=1,
+                   help="traces teacher-forced together, one forward per chunk for the batch (default 1: one trace "
+                   "at a time); kvpress batches only equal prompt lengths")
+    f.add_argument("--groups", type=int, default=0,
+                   help="select GROUPS groups of --group-size questions of equal chat-prompt length, seeded by "
+                   "--select-seed (default 0: --n-prompts from --offset)")
+    f.add_argument("--group-size", type=int, default=8, help="questions per group (default 8)")
+    f.add_argument("--select-seed", type=int, default=0, help="seed of the --groups selection (default 0)")
+    f.add_argument("--exclude", nargs="+", default=None,
+                   help="traces.json files of earlier runs whose questions are not selected (a held-out set)")
+    f.add_argument("--references", default=None,
+                   help="folder for the full-cache references (hidden states), reused by later runs")
+    f.add_argument("--kvpress-inprocess", action="store_true",
+                   help="run --kvpress-presses in this process (kvpress installed here; transformers 5.2), batched")
+    f.add_argument("--short-budgets", nargs="*", type=int, default=[64, 128],
                    help="budgets of the short regime (below the prompt length), scored on the first --short-tokens "
                    "trace tokens (default 64 128)")
     f.add_argument("--short-tokens", type=int, default=512,
@@ -352,7 +370,9 @@ def _bench(args, argv: list[str]) -> int:
             kvpress_presses=args.kvpress_presses, kvpress_budgets=args.kvpress_budgets,
             kvpress_kinds=args.kvpress_kinds, kvpress_max_steps=args.kvpress_max_steps,
             kvpress_max_items=args.kvpress_max_items, kvpress_parallel=not args.kvpress_sequential,
-            kvpress_json=args.kvpress_json, traces=args.traces,
+            kvpress_json=args.kvpress_json, traces=args.traces, kvpress_inprocess=args.kvpress_inprocess,
+            batch_size=args.batch_size, groups=args.groups, group_size=args.group_size, select_seed=args.select_seed,
+            exclude=args.exclude, pipelines=args.pipelines, references=args.references,
             threads=args.threads, out=args.out, command=command,
         )
         run.run_fidelity(cfg)
