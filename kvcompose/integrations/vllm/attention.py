@@ -1,56 +1,112 @@
-"""Worker side of the vLLM prototype: vLLM's CPU attention backend with a metadata builder that removes freed
-(null) blocks from each request's block-table row and shortens its sequence length to match
-(`compact_block_table`). The kernel, the KV write (`slot_mapping`) and the positions are vLLM's own.
+"""kvcompose's attention backends for vLLM: the platform's backend (`CPU_ATTN`; on CUDA `FLASH_ATTN` and
+`TRITON_ATTN`) with two mixins, registered over it through vLLM's public `register_backend`.
 
-`register()` overrides vLLM's `CPU_ATTN` backend through the public `register_backend` of
-`vllm.v1.attention.backends.registry`; it must run in the worker process before the model is built, which
-importing `kvcompose.integrations.vllm.worker` (vLLM's `worker_extension_cls`) does.
+* `PhysicalLengths` (metadata builder): when a request of the step's batch was compressed, the kernel gets
+  the physical lengths (`seq_lens` = held + new tokens) and the step's `slot_mapping` is rewritten in place
+  from the physical positions and the compacted block table (`Runtime.slots`); the logical positions
+  (RoPE) are untouched. The same tensor is the forward context's slot mapping, so the KV write of every
+  layer lands at the physical slots.
+* `RecordQueries` (impl): before vLLM's attention, writes the step's planned post-RoPE queries of the layer
+  into kvcompose's ring (`Runtime.record`).
+
+Both are pass-through until a kvcompose worker attaches its `Runtime` (`_kvc`): an engine without kvcompose
+in the same process runs vLLM's code unchanged. Only `CPU_ATTN` runs here; the CUDA classes
+(`attention_gpu.py`) are written from vLLM's source and untested.
+
+Relies on (not a stable vLLM API): `CommonAttentionMetadata.replace` and its fields `seq_lens`,
+`seq_lens_cpu_upper_bound`, `max_seq_len`, `block_table_tensor`, `slot_mapping`, `_num_computed_tokens_cache`;
+the impls' `forward(layer, query, key, value, kv_cache, attn_metadata, output, ...)` signature.
 """
 
 from __future__ import annotations
 
+import time
+
 try:
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadataBuilder
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        f"{__name__} needs vLLM (pip install kvcompose[vllm]; see docs/serving.md): {e}"
-    ) from e
+    raise ImportError(f"{__name__} needs vLLM (pip install kvcompose[vllm]; see docs/serving.md): {e}") from e
 
-from .policy import compact_block_table
+__all__ = ["PhysicalLengths", "RecordQueries", "register", "backend_kind", "make_backend"]
 
-__all__ = ["KVComposeCPUAttentionBackend", "KVComposeCPUAttentionMetadataBuilder", "register"]
+_KINDS = {"CPU_ATTN": "CPU_ATTN", "FLASH_ATTN": "FLASH_ATTN", "TRITON_ATTN": "TRITON_ATTN"}
 
 
-class KVComposeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
-    """`CPUAttentionMetadataBuilder` that hands the kernel compacted block tables (freed blocks removed).
+def backend_kind(name: str) -> str:
+    """The KV layout family of a backend name (`runtime.PagedLayout`), or a clear refusal."""
+    if name not in _KINDS:
+        from ...view import KVComposeError
 
-    Runs once per KV-cache group and step; costs one pass over the `[requests, max_blocks]` table, and
-    nothing more when no block is null.
-    """
+        raise KVComposeError(f"kvcompose's vLLM route supports the attention backends {sorted(_KINDS)}, not {name}")
+    return _KINDS[name]
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+
+class PhysicalLengths:
+    """Builder mixin: physical lengths and slots for the kernel (see the module docstring)."""
+
+    _kvc = None
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        rt = self._kvc
+        plan = None if rt is None else rt.step
+        if plan is None or not plan.physical:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        t0 = time.perf_counter()
         cm = common_attn_metadata
-        table, seq_lens, n_freed = compact_block_table(cm.block_table_tensor, cm.seq_lens, self.block_size)
-        if n_freed:
-            upper = cm.seq_lens_cpu_upper_bound
-            if upper is not None:
-                upper = upper - (cm.seq_lens - seq_lens).to(upper.dtype)
-            cm = cm.replace(block_table_tensor=table, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()),
-                            seq_lens_cpu_upper_bound=upper, _num_computed_tokens_cache=None)
+        if cm.num_reqs != plan.seq_lens.shape[0]:  # padded batches (CUDA graphs) are refused up front
+            from ...view import KVComposeError
+
+            raise KVComposeError(f"attention metadata for {cm.num_reqs} requests, kvcompose planned "
+                                 f"{plan.seq_lens.shape[0]}")
+        rt.slots(cm.block_table_tensor, cm.slot_mapping)
+        upper = cm.seq_lens_cpu_upper_bound
+        cm = cm.replace(
+            seq_lens=plan.seq_lens.to(cm.seq_lens.dtype),
+            max_seq_len=plan.max_seq_len,
+            seq_lens_cpu_upper_bound=None if upper is None else plan.seq_lens_cpu.to(upper.dtype),
+            _num_computed_tokens_cache=None,
+        )
+        rt.stats.builder_seconds += time.perf_counter() - t0
         return super().build(common_prefix_len, cm, fast_build)
 
 
-class KVComposeCPUAttentionBackend(CPUAttentionBackend):
-    """vLLM's CPU attention backend (same name, kernel and KV layout) with the compacting builder."""
+class RecordQueries:
+    """Impl mixin: records the step's planned queries of this layer before vLLM's attention."""
 
-    @staticmethod
-    def get_builder_cls():
-        return KVComposeCPUAttentionMetadataBuilder
+    _kvc = None
+    _kvc_layer = -1
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+        rt = self._kvc
+        if rt is not None and attn_metadata is not None:
+            rt.record(self._kvc_layer, query)
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+
+
+def make_backend(base: type, name: str) -> type:
+    """`base` (a vLLM attention backend class) whose builder and impl carry kvcompose's mixins."""
+    builder = type(f"KVCompose{base.get_builder_cls().__name__}", (PhysicalLengths, base.get_builder_cls()), {})
+    impl = type(f"KVCompose{base.get_impl_cls().__name__}", (RecordQueries, base.get_impl_cls()), {})
+    return type(name, (base,), {
+        "get_builder_cls": staticmethod(lambda: builder),
+        "get_impl_cls": staticmethod(lambda: impl),
+        "__doc__": f"vLLM's {base.__name__} with kvcompose's physical lengths and query ring.",
+    })
+
+
+if current_platform.is_cpu():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    KVComposeCPUAttentionBackend = make_backend(CPUAttentionBackend, "KVComposeCPUAttentionBackend")
+    KVComposeCPUAttentionBackend.__module__ = __name__
 
 
 def register() -> None:
-    """Make vLLM's `CPU_ATTN` backend resolve to `KVComposeCPUAttentionBackend` in this process."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    """Resolve this platform's attention backends to kvcompose's (in this process; idempotent)."""
+    if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.KVComposeCPUAttentionBackend")
+    elif current_platform.is_cuda_alike():  # pragma: no cover - no GPU here
+        from . import attention_gpu
 
-    register_backend(AttentionBackendEnum.CPU_ATTN,
-                     f"{KVComposeCPUAttentionBackend.__module__}.{KVComposeCPUAttentionBackend.__qualname__}")
+        attention_gpu.register()
