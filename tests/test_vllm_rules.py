@@ -54,6 +54,8 @@ def test_presets_by_name_and_request_overrides():
     assert (r.budget, r.interval, r.seed) == (96, 128, 3)
     r = request_settings(request_kwargs(methods.vase(), 128, interval=32), BS, base)
     assert r.pipeline.query_window == 64 and r.interval == 32
+    as_json = request_settings({CONFIG_KEY: '{"preset": "rkv", "budget": 96, "seed": 3}'}, BS, base)  # vllm_xargs
+    assert (as_json.budget, as_json.interval, as_json.seed) == (96, 128, 3)
     full = request_settings(request_kwargs("full"), BS, base)
     assert not full.compresses and full.budget is None
     flags = serve_args("rkv", 512)
@@ -276,3 +278,64 @@ def test_query_ring_keeps_the_last_window_in_order():
     got, pos, valid = rt._queries(st_, 0, 4)
     assert torch.equal(pos, torch.arange(c - 4, c)) and bool(valid.all())
     assert torch.equal(got[0], q[c - 4:c].transpose(0, 1))
+
+
+# -- the attention backend's mixins (on stand-in vLLM classes) -----------------------------------------
+def test_backend_mixins_pass_through_without_kvcompose_and_rewrite_with_it():
+    from dataclasses import dataclass, replace
+
+    from kvcompose.integrations.vllm.backend import make_backend
+
+    @dataclass
+    class CM:  # the fields of vLLM's CommonAttentionMetadata the builder reads
+        num_reqs: int
+        seq_lens: torch.Tensor
+        seq_lens_cpu_upper_bound: torch.Tensor | None
+        max_seq_len: int
+        block_table_tensor: torch.Tensor
+        slot_mapping: torch.Tensor
+        _num_computed_tokens_cache: object = None
+
+        def replace(self, **kw):
+            return replace(self, **kw)
+
+    class Builder:
+        def build(self, common_prefix_len, cm, fast_build=False):
+            return cm
+
+    class Impl:
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+            return "vllm"
+
+    class Backend:
+        @staticmethod
+        def get_builder_cls():
+            return Builder
+
+        @staticmethod
+        def get_impl_cls():
+            return Impl
+
+    kb = make_backend(Backend, "KB")
+    assert issubclass(kb, Backend) and issubclass(kb.get_builder_cls(), Builder)
+    builder, impl = kb.get_builder_cls()(), kb.get_impl_cls()()
+    cm = CM(2, torch.tensor([41, 8]), torch.tensor([41, 8]), 41, torch.tensor([[11, 12, 13, 0], [21, 0, 0, 0]]),
+            torch.full((4,), -7))
+    assert builder.build(0, cm) is cm  # no kvcompose state attached: vLLM's path, untouched
+    rt = _runtime(bs=8)
+    builder._kvc = impl._kvc = rt
+    impl._kvc_layer = 0
+    s = Settings(pipeline=methods.snapkv(window=4), budget=16, interval=8, seed=0)
+    a, b = rt.add("a", s, 10), rt.add("b", s, 5)
+    a.last, a.held = 40, 16
+    b.last, b.held = 5, 5
+    rt.plan([("a", 40, 1), ("b", 5, 3)])
+    out = builder.build(0, cm)
+    assert out.seq_lens.tolist() == [17, 8] and out.max_seq_len == 17 and out.seq_lens_cpu_upper_bound.tolist() == [17, 8]
+    assert cm.slot_mapping.tolist() == [13 * 8, 21 * 8 + 5, 21 * 8 + 6, 21 * 8 + 7]  # rewritten in place
+    q = torch.randn(4, 4, 8)
+    assert impl.forward(None, q, None, None, None, object(), None) == "vllm"
+    got, pos, _ = rt._queries(a, 0, 4)
+    assert torch.equal(got[0, :, -1], q[0]) and pos.tolist() == [40]  # a's one query went into its ring
+    rt.step = None  # a dummy run after the step: nothing recorded, nothing rewritten
+    assert builder.build(0, cm) is cm

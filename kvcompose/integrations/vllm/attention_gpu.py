@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from .attention import make_backend
+from .backend import make_backend
 
 __all__ = ["KVComposeFlashAttentionBackend", "KVComposeTritonAttentionBackend", "register"]
 

@@ -180,12 +180,18 @@ def engine_settings(cfg: dict[str, Any], block_size: int) -> Settings:
 
 
 def request_settings(extra_args: dict[str, Any] | None, block_size: int, base: Settings) -> Settings:
-    """A request's `Settings`: its `extra_args["kvcompose"]` override on top of the engine's `base`."""
+    """A request's `Settings`: its `extra_args["kvcompose"]` override (a dict, or its JSON text) on top of the
+    engine's `base`."""
     cfg = (extra_args or {}).get(CONFIG_KEY)
     if not cfg:
         return base
+    if isinstance(cfg, str):  # the OpenAI server's `vllm_xargs` take flat values: the settings as JSON text
+        try:
+            cfg = json.loads(cfg)
+        except ValueError as e:
+            raise KVComposeError(f"extra_args[{CONFIG_KEY!r}] is not JSON: {e}") from e
     if not isinstance(cfg, dict):
-        raise KVComposeError(f"extra_args[{CONFIG_KEY!r}] must be a dict, got {type(cfg).__name__}")
+        raise KVComposeError(f"extra_args[{CONFIG_KEY!r}] must be a dict (or its JSON), got {type(cfg).__name__}")
     return _build(dict(cfg), block_size, base)
 
 

@@ -52,32 +52,40 @@ class PagedLayout:
             raise KVComposeError(f"a {self.backend} KV cache of shape {tuple(kv.shape)} does not hold blocks of "
                                  f"{self.bs} keys and values of head size {self.D} (padded head sizes are not supported)")
 
-    def _regions(self, kv: Tensor) -> tuple[Tensor, Tensor]:
-        nb, h = kv.shape[:2]
+    def index(self, kv: Tensor, blk: Tensor, off: Tensor) -> tuple[Tensor, Tensor]:
+        """Flat element offsets `[H, n, D]` of the keys and values of slots `(blk[i], off[i])` in `kv`'s storage
+        (from its strides: one index serves every layer of the same shape)."""
+        self._check(kv)
+        st = kv.stride()
+        h = torch.arange(kv.shape[1], device=kv.device)
+        d = torch.arange(self.D, device=kv.device)
+        base = (blk * st[0])[None, :, None] + (h * st[1])[:, None, None]  # [H, n, 1]
+        if self.kmap is None:  # [.., slot, k | v] on the last axis
+            slot = (off * st[2])[None, :, None]
+            k = base + slot + d * st[3]
+            return k, k + self.D * st[3]
+        if not kv.is_contiguous():
+            raise KVComposeError("the CPU_ATTN KV cache is expected to be contiguous")
         n = self.bs * self.D
-        flat = kv.view(nb, h, 2 * n)
-        return flat[..., :n], flat[..., n:]
+        return base + self.kmap[off][None], base + n + self.vmap[off][None]
 
-    def gather(self, kv: Tensor, blk: Tensor, off: Tensor) -> tuple[Tensor, Tensor]:
-        self._check(kv)
-        heads = torch.arange(kv.shape[1], device=kv.device)[:, None, None]
-        b, o = blk[None, :, None], off[None, :, None]
-        if self.kmap is None:
-            return kv[b[..., 0], heads[..., 0], o[..., 0], : self.D], kv[b[..., 0], heads[..., 0], o[..., 0], self.D:]
-        kr, vr = self._regions(kv)
-        return kr[b, heads, self.kmap[off][None]], vr[b, heads, self.vmap[off][None]]
+    @staticmethod
+    def _flat(kv: Tensor) -> Tensor:
+        return kv.as_strided((kv.untyped_storage().nbytes() // kv.element_size() - kv.storage_offset(),), (1,),
+                             kv.storage_offset())
 
-    def scatter(self, kv: Tensor, blk: Tensor, off: Tensor, keys: Tensor, values: Tensor) -> None:
-        self._check(kv)
-        heads = torch.arange(kv.shape[1], device=kv.device)[:, None, None]
-        b, o = blk[None, :, None], off[None, :, None]
-        if self.kmap is None:
-            kv[b[..., 0], heads[..., 0], o[..., 0], : self.D] = keys
-            kv[b[..., 0], heads[..., 0], o[..., 0], self.D:] = values
-            return
-        kr, vr = self._regions(kv)
-        kr[b, heads, self.kmap[off][None]] = keys
-        vr[b, heads, self.vmap[off][None]] = values
+    def gather(self, kv: Tensor, blk: Tensor, off: Tensor, index: tuple[Tensor, Tensor] | None = None
+               ) -> tuple[Tensor, Tensor]:
+        ki, vi = self.index(kv, blk, off) if index is None else index
+        flat = self._flat(kv)
+        return flat.index_select(0, ki.reshape(-1)).view(ki.shape), flat.index_select(0, vi.reshape(-1)).view(vi.shape)
+
+    def scatter(self, kv: Tensor, blk: Tensor, off: Tensor, keys: Tensor, values: Tensor,
+                index: tuple[Tensor, Tensor] | None = None) -> None:
+        ki, vi = self.index(kv, blk, off) if index is None else index
+        flat = self._flat(kv)
+        flat.index_copy_(0, ki.reshape(-1), keys.reshape(-1).to(flat.dtype))
+        flat.index_copy_(0, vi.reshape(-1), values.reshape(-1).to(flat.dtype))
 
 
 @dataclass
@@ -92,6 +100,7 @@ class Stats:
     steps: int = 0
     step_seconds: float = 0.0  # vLLM's execute_model + sample_tokens, kvcompose included
     peak_requests: int = 0  # most requests in one step's batch
+    request_steps: int = 0  # sum over steps of the batch's requests (mean running = request_steps / steps)
     peak_blocks: int = 0  # most blocks held by one step's batch (sum of its block-table rows)
     compressed_requests: int = 0  # requests that ran at least one event
     preemptions: int = 0  # requests seen coming back from a preemption
@@ -282,10 +291,14 @@ class Runtime:
                          for i in range(self.L)]
             self.stats.compressed_requests += 1
         kept_pos = torch.empty(self.L, self.H, B, dtype=torch.long, device=self.device)
+        src = self.layout.index(kv_caches[0], blk, off)  # the same offsets in every layer's tensor
+        dst = self.layout.index(kv_caches[0], dblk, doff)
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
         w = s.query_window
         for i in range(self.L):
-            keys, values = self.layout.gather(kv_caches[i], blk, off)  # [H, h, D]
+            if kv_caches[i].shape != kv_caches[0].shape or kv_caches[i].stride() != kv_caches[0].stride():
+                raise KVComposeError("kvcompose expects every layer's KV cache to have the same shape and strides")
+            keys, values = self.layout.gather(kv_caches[i], blk, off, src)  # [H, h, D]
             pos = self._positions(st, i)
             ring = self._queries(st, i, w)
             view = LayerView(
@@ -302,7 +315,7 @@ class Runtime:
                                      "needs exactly the budget (the scheduler frees blocks by that count)")
             bad |= (kept < 0).any()
             idx = kept.clamp(min=0)[..., None].expand(-1, -1, self.D)
-            self.layout.scatter(kv_caches[i], dblk, doff, keys.gather(1, idx), values.gather(1, idx))
+            self.layout.scatter(kv_caches[i], dblk, doff, keys.gather(1, idx), values.gather(1, idx), dst)
             kept_pos[i] = pos.gather(1, kept.clamp(min=0))
         if bool(bad):  # one host sync per event, not per layer
             raise KVComposeError(f"{pipe!r} kept fewer than {B} tokens in some head (padded selection)")

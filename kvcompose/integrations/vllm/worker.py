@@ -153,6 +153,7 @@ class KVComposeRunner:
             blocks += int(bt.num_blocks_per_row[r])
         rt.plan(batch)
         rt.stats.peak_requests = max(rt.stats.peak_requests, len(batch))
+        rt.stats.request_steps += len(batch)
         rt.stats.peak_blocks = max(rt.stats.peak_blocks, blocks)
 
     @property
