@@ -94,9 +94,14 @@ def run_one(args, cfg: dict[str, Any]) -> dict[str, Any]:
 
     prompts, gold = _prompts(args.model, args.data, args.n)
     pool = _pool(prompts, args.new_tokens, None if cfg["suite"] == "roomy" else args.full_requests)
+    with open(os.path.join(args.model, "config.json")) as f:
+        hf = json.load(f)
+    per_block = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * BLOCK * 4 * (
+        hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])  # float32 keys and values
     kw: dict[str, Any] = dict(model=args.model, dtype="float32", enforce_eager=True, seed=0, block_size=BLOCK,
                               max_model_len=max(len(p) for p in prompts) + args.new_tokens + BLOCK,
-                              max_num_seqs=args.n, num_gpu_blocks_override=pool, kv_cache_memory_bytes=6 << 30,
+                              max_num_seqs=args.n, num_gpu_blocks_override=pool,
+                              kv_cache_memory_bytes=int(pool * per_block * 1.05) + (64 << 20),
                               enable_prefix_caching=False, async_scheduling=False)
     if cfg["preset"] is not None:
         from kvcompose.integrations.vllm import engine_kwargs

@@ -35,12 +35,12 @@ TIE = 1e-4  # relative score gap under which a top-k selection is a near-tie (e.
 #             the comparison of that request
 
 
-def _engine(model: str, tmp, blocks: int, max_len: int):
+def _engine(model: str, tmp, blocks: int, max_len: int, kv_bytes: int):
     from vllm import LLM
 
     log = str(tmp / "events.jsonl")
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_len, max_num_seqs=64,
-              num_gpu_blocks_override=blocks, kv_cache_memory_bytes=3 << 30, seed=0, skip_tokenizer_init=True,
+              num_gpu_blocks_override=blocks, kv_cache_memory_bytes=kv_bytes, seed=0, skip_tokenizer_init=True,
               **engine_kwargs("full", block_size=BLOCK, log_file=log))
     return llm, log
 
@@ -117,7 +117,7 @@ def _check(model_dir, llm, log, prompts, budget, interval, new_tokens):
 def tiny(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tiny")
     model = tiny_llama(str(tmp / "model"))
-    llm, log = _engine(model, tmp, blocks=480, max_len=1024)
+    llm, log = _engine(model, tmp, blocks=480, max_len=1024, kv_bytes=256 << 20)
     yield model, llm, log
     del llm
 
@@ -181,7 +181,7 @@ def smollm2(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("smollm2")
     model = save_default_model(str(tmp / "fp32"), "float32")
-    llm, log = _engine(model, tmp, blocks=64 * 12, max_len=1024)
+    llm, log = _engine(model, tmp, blocks=64 * 12, max_len=1024, kv_bytes=3 << 29)  # 1.5 GiB
     yield model, llm, log
     del llm
 
