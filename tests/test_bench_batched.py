@@ -9,7 +9,7 @@ from kvcompose import KVComposeCache, KVComposeError, methods
 from kvcompose.bench.fidelity import (
     Trace, clear_reference_cache, evaluate_batch, evaluate_trace, hidden_references,
 )
-from kvcompose.models import tiny_model
+from kvcompose.bench.tiny import tiny_model
 from kvcompose.view import FAR_POSITION
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,7 +9,7 @@ kvpress = pytest.importorskip("kvpress")
 from kvcompose import KVComposeError  # noqa: E402
 from kvcompose.bench.fidelity import Trace, hidden_references  # noqa: E402
 from kvcompose.bench.kvpress_fidelity import evaluate_press_batch, make_press, press_batches  # noqa: E402
-from kvcompose.models import tiny_model  # noqa: E402
+from kvcompose.bench.tiny import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
