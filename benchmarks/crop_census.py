@@ -23,7 +23,7 @@ import torch
 
 from kvcompose import KVComposeCache, KVComposeError, methods
 from kvcompose.block import EventTrigger
-from kvcompose.models import tiny_model
+from kvcompose.bench.tiny import tiny_model
 
 PRESETS = {
     "full": lambda: methods.full(),

@@ -33,6 +33,7 @@ from .selectors import BlockGranular, RandomDrop, Sample, Selector, TopK
 from .stores import DenseStore, KVStore, PagedStore
 from .tiers import CompressedTier, Evict, Hierarchy, HostTier, TierStore, TierTokens
 from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
+from .paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent, VotingValueProtect
 from .view import KVComposeWarning
 
 __version__ = "0.1.0"
@@ -49,5 +50,6 @@ __all__ = [
     "Pyramid", "ReasoningWave", "HeadUtility", "GrowPage",
     "HostTier", "CompressedTier", "Hierarchy", "TierTokens",
     "BranchCache", "BranchMemory",
+    "BlockProtectValueNorm", "RequestEvent", "RequestBlocks", "VotingValueProtect",
     "KVComposeWarning",
 ]

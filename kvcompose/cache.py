@@ -170,13 +170,13 @@ class KVComposeCache(Cache):
             VaSE 64; else 64).
         compress_prefill: also compress the prompt right after prefill (off by default).
         seed: seed of the per-layer random generators (random selectors are reproducible).
-
-    An argument that cannot change what the pipeline does (a budget for `methods.full()`, a seed for a pipeline
-    without random blocks, ...) is accepted with a `KVComposeWarning` naming why (`check_unused`).
         strict: also refuse model types that are not among the tested ones.
         prefetcher: brings tier tokens back before attention (default `Prefetcher()`).
         reserve: allocate each dense layer's `budget + interval` slots at once (fixed-capacity buffers, for
             CUDA graphs); by default buffers grow with the sequence.
+
+    An argument that cannot change what the pipeline does (a budget for `methods.full()`, a seed for a pipeline
+    without random blocks, ...) is accepted with a `KVComposeWarning` naming why (`check_unused`).
     """
 
     def __init__(
@@ -226,10 +226,10 @@ class KVComposeCache(Cache):
         self._model = weakref.ref(model)
         windows = {a.index: a.sliding_window for a in self.attention.layers if a.kind == "sliding"}
         layers = [ComposeLayer(self.core, i, owner=self, sliding_window=windows.get(i)) for i in range(self.num_layers)]
-        _copying.link_layers(self, layers)
-        super().__init__(layers=layers)
+        super().__init__(layers=layers)  # layers reach their peers through a weak reference to the cache
 
     kvcompose_attention = True  # kvcompose.attention routes calls that carry this cache to its layers
+    kvcompose_missed: str | None = None  # set by kvcompose.attention when an update's attention never ran
 
     # -- transformers Cache API, never traced by torch.compile -----------------------------------
     @_no_trace
@@ -247,7 +247,9 @@ class KVComposeCache(Cache):
 
     @_no_trace
     def get_mask_sizes(self, *args, **kwargs):
-        return super().get_mask_sizes(*args, **kwargs)
+        """`(held + new, seen - held)` of a layer; the mask function call that follows is this cache's
+        (`kvcompose.attention.expect_mask`)."""
+        return _attn.expect_mask(self, super().get_mask_sizes(*args, **kwargs))
 
     @_no_trace
     def get_query_offset(self, *args, **kwargs):
@@ -275,6 +277,9 @@ class KVComposeCache(Cache):
         """Pickle / torch.save: the state without the model; the loaded cache needs `bind(model)`."""
         _copying.check_picklable(self)
         return _copying.cache_state(self, drop=("_model",))
+
+    def __reduce_ex__(self, protocol):
+        return _copying.reduce_cache(self)  # torch.save inside: views of one buffer stay views when loaded
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

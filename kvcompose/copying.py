@@ -21,20 +21,23 @@ layer core may keep them in any form (weak references, a small state object) as 
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 import weakref
 from typing import Any
 
+import torch
+
 from .view import KVComposeError
 
 __all__ = ["UNBOUND", "link_layers", "layer_state", "restore_layer", "cache_state", "deepcopy_cache",
-           "check_picklable", "check_same_model"]
+           "check_picklable", "check_same_model", "reduce_cache"]
 
 UNBOUND = ("this {cls} was loaded from a pickle (or torch.load) and is not attached to a model: call "
            "cache.bind(model) with the model it was built for (or one of the same architecture) before decoding")
 """Message of a loaded cache used before `bind`."""
 
-_LINKS = ("_owner", "peers", "_tree", "_merged")  # a layer's references to its cache, its peers, fetched copies
+_LINKS = ("_owner", "_tree")  # a layer's references to its cache (which gives its peers) and to its tree
 
 
 def _no_owner() -> None:
@@ -42,14 +45,13 @@ def _no_owner() -> None:
 
 
 def link_layers(owner: Any, layers: list, tree: bool = False) -> None:
-    """Point every layer of a cache at `owner` (its cache; with `tree`, also as the tree whose path the layer
-    reads) and at its peer layers: what the cache's `__init__` sets up, done again for a copy or a loaded cache."""
+    """Point every layer of a cache at `owner` (its cache, through which a layer reaches its peers; with `tree`,
+    also as the tree whose path the layer reads): what the cache's `__init__` sets up, done again for a copy or a
+    loaded cache."""
     for layer in layers:
         layer._owner = weakref.ref(owner)
         if tree:
             layer._tree = weakref.ref(owner)
-        layer.peers = layers
-        layer._merged = None
 
 
 def layer_state(layer: Any) -> dict[str, Any]:
@@ -61,8 +63,6 @@ def restore_layer(layer: Any, state: dict[str, Any]) -> None:
     """A layer's `__setstate__`: the state, with no cache yet (`link_layers` gives it one)."""
     layer.__dict__.update(state)
     layer._owner = _no_owner
-    layer.peers = []
-    layer._merged = None
 
 
 def cache_state(cache: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -95,6 +95,24 @@ def deepcopy_cache(cache: Any, memo: dict, drop: tuple[str, ...]) -> Any:
     new.__setstate__(state)  # as a loaded cache: re-linked, not bound yet
     if model is not None:
         new.bind(model)
+    return new
+
+
+def reduce_cache(cache: Any) -> tuple:
+    """A cache's `__reduce_ex__`: its `__getstate__` serialised with `torch.save`, which keeps tensors that are
+    views of one storage (a store's buffer and its cached narrow or flat views) sharing it when loaded; plain
+    pickle writes every tensor's storage separately, so a loaded store would write into a buffer its views no
+    longer show. `pickle.dumps(cache)` and `torch.save(cache, f)` both go through here."""
+    buf = io.BytesIO()
+    torch.save(cache.__getstate__(), buf)
+    return (_load_cache, (type(cache), buf.getvalue()))
+
+
+def _load_cache(cls: type, data: bytes) -> Any:
+    """Rebuild a cache pickled by `reduce_cache` (unbound: `bind(model)` attaches it)."""
+    state = torch.load(io.BytesIO(data), weights_only=False, map_location=None)
+    new = cls.__new__(cls)
+    new.__setstate__(state)
     return new
 
 

@@ -15,7 +15,7 @@ from kvcompose import (
     WindowedAttention, methods,
 )
 from kvcompose.block import EventTrigger
-from kvcompose.models import tiny_model
+from kvcompose.bench.tiny import tiny_model
 
 MODEL = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
 RANDOM_BLOCKS = (RandomDrop, Sample, RandomScore)

@@ -156,6 +156,8 @@ def test_tree_copy_then_continue_equals_original(how, tier, active, seed, switch
     greedy(MODEL, cache, ids(1, seed + 2), 20)
     assert cache.compressions > 0
     twin = _copy(cache, how)
+    mine, theirs = set(twin._all_nodes()), set(cache._all_nodes())
+    assert all(n.parent is None or (n.parent in mine and n.parent not in theirs) for n in mine)  # its own tree
     runs = []
     for c in (twin, cache):
         if switch_back:

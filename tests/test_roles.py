@@ -11,7 +11,7 @@ from kvcompose import (
     HostTier, KeyNorm, KVComposeCache, KVComposeError, Pipeline, ProtectPrompt, ProtectRecent, ProtectSinks, Pyramid,
     RandomDrop, Recency, Sample, TopK, Uniform, ValueNorm, methods,
 )
-from kvcompose.models import tiny_model
+from kvcompose.bench.tiny import tiny_model
 from kvcompose.reco.eviction import Lexicographic
 from kvcompose.scorers import Combined
 
