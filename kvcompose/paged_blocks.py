@@ -37,6 +37,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .allocators import Uniform
+from .block import require_role
 from .compat import forward_cache
 from .kernels import value_magnitude
 from .pipeline import Pipeline
@@ -80,8 +81,7 @@ class BlockProtectValueNorm(ProtectValueNorm):
     """
 
     def __init__(self, base: ProtectValueNorm, block: int = 16, per_head: bool = True):
-        if not isinstance(base, ProtectValueNorm):
-            raise KVComposeError(f"BlockProtectValueNorm wraps a ProtectValueNorm, got {type(base).__name__}")
+        require_role(base, ProtectValueNorm, "BlockProtectValueNorm(base)", ": it wraps VaSE's value protection")
         super().__init__(base.k, base.kind, base.sinks, base.exclude_recent)
         self.block, self.per_head = _check_block(block, "BlockProtectValueNorm"), bool(per_head)
 

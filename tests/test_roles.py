@@ -12,6 +12,7 @@ from kvcompose import (
     RandomDrop, Recency, Sample, TopK, Uniform, ValueNorm, methods,
 )
 from kvcompose.bench.tiny import tiny_model
+from kvcompose.paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent
 from kvcompose.reco.eviction import Lexicographic
 from kvcompose.scorers import Combined
 
@@ -37,6 +38,8 @@ def _slots(model):
         ("HeadUtility(layers)", "Allocator", lambda b: HeadUtility(layers=b)),
         ("Hierarchy(host)", "TierStore:HostTier", lambda b: Hierarchy(host=b)),
         ("Hierarchy(compressed)", "TierStore:CompressedTier", lambda b: Hierarchy(compressed=b)),
+        ("BlockProtectValueNorm(base)", "Protector:ProtectValueNorm", lambda b: BlockProtectValueNorm(b)),
+        ("RequestBlocks(inner)", "Selector", lambda b: RequestBlocks(b, 4, RequestEvent(16, 8, block=4))),
         ("BranchCache(tier)", "TierStore", lambda b: BranchCache(model, tier=b)),
         ("pyramid_rkv(base)", "Pipeline", lambda b: methods.pyramid_rkv(base=b)),
         ("reason_alloc(base)", "Pipeline", lambda b: methods.reason_alloc(base=b, profile=None)),
