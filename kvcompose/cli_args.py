@@ -60,7 +60,7 @@ def _checked(names: tuple[str, ...], kw: dict[str, Any]) -> dict[str, Any]:
         if "type" not in kw and dest in RULES:
             kw["type"] = RULES[dest]
         elif kw.get("type") in (int, float):
-            kw["type"] = _rule(dest, kw["type"])
+            kw["type"] = _rule(dest, kw["type"], kw.get("default"))
     return kw
 
 
@@ -259,16 +259,23 @@ RULES: dict[str, Callable[[str], Any]] = {
     "traces": json_file,
     "kvpress_json": json_file,
     "kvpress_script": script_file,
+    "exclude": json_file,
+    "references": output_dir,
     "out": output_dir,
 }
 """Option name -> checked type, for options declared without a type (paths, the model, the device). `--kvpress-python`
 is not checked: a missing kvpress environment skips the kvpress side by side with a note, by design."""
 
 
-def _rule(dest: str, kind: type) -> Callable[[str], Any]:
-    """The checked number type of an option: positive unless its name is one of the non-negative or unit ones."""
+def _rule(dest: str, kind: type, default: Any = None) -> Callable[[str], Any]:
+    """The checked number type of an option: positive unless its name is one of the non-negative or unit ones,
+    ends in `seed`, or its default is 0 (an option whose default is 0 accepts 0 given explicitly)."""
+    zero = any(d == 0 for d in (default if isinstance(default, (list, tuple)) else [default])
+               if isinstance(d, (int, float)) and not isinstance(d, bool))
     if kind is int:
-        return NONNEGATIVE_INT if dest in _NONNEGATIVE_INTS else POSITIVE_INT
+        return NONNEGATIVE_INT if dest in _NONNEGATIVE_INTS or dest.endswith("seed") or zero else POSITIVE_INT
+    if zero:
+        return NONNEGATIVE_FLOAT
     if dest in _UNIT_FLOATS:
         return UNIT_FLOAT
     return NONNEGATIVE_FLOAT if dest in _NONNEGATIVE_FLOATS else POSITIVE_FLOAT

@@ -178,6 +178,50 @@ def test_a_failed_run_leaves_no_empty_output_folder(files, tmp_path, capsys, mon
     assert code == 2 and (out / "keep.txt").exists()  # a folder that existed before is left alone
 
 
+def _options(parser, prefix=()):
+    """Every option of every (sub)command: (command words, argparse action)."""
+    import argparse
+
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from _options(sub, (*prefix, name))
+        elif a.option_strings:
+            yield prefix, a
+
+
+def test_every_number_option_has_a_checked_type_that_accepts_its_default():
+    """A numeric option added later (the batched fidelity bench's --groups, --select-seed, ...) gets a checked type
+    from the shared layer, and that type accepts the option's own default given explicitly (--groups 0 is "off")."""
+    seen = 0
+    for words, a in _options(cli.build_parser()):
+        assert a.type not in (int, float), (words, a.option_strings)  # an unchecked number would reach a model
+        if a.type is None or a.default is None or isinstance(a.default, bool) or not callable(a.type):
+            continue
+        for d in a.default if isinstance(a.default, (list, tuple)) else [a.default]:
+            if isinstance(d, (int, float)):
+                seen += 1
+                assert a.type(str(d)) == d, (words, a.option_strings, d)
+    assert seen > 50
+
+
+def test_input_files_of_later_options_are_checked(files, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("x")
+    good = str(files / "good.jsonl")
+    for argv, what in [
+        (["bench", "fidelity", "--data", good, "--exclude", "missing_traces.json"], "does not exist"),
+        (["bench", "fidelity", "--data", good, "--exclude", str(files / "bad.jsonl")], "not a JSON file"),
+        (["bench", "fidelity", "--data", good, "--references", "a_file"], "is a file"),
+        (["bench", "fidelity", "--data", good, "--groups", "-1"], "--groups"),
+        (["bench", "fidelity", "--data", good, "--select-seed", "-3"], "--select-seed"),
+    ]:
+        code, err = _main(argv, capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and what in lines[0], (argv, code, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
 def test_valid_arguments_still_parse(files, tmp_path):
     p = cli.build_parser()
     a = p.parse_args(["generate", "--budget", "64", "--interval", "8", "--seed", "0", "--device", "cpu",
