@@ -121,9 +121,6 @@ def test_crop_after_h2o_is_refused():
     MODEL.generate(input_ids=out[:, :-3], past_key_values=ref, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     a = MODEL.generate(input_ids=out[:, :-3], past_key_values=saved, max_new_tokens=20, min_new_tokens=20,
                        do_sample=False)
-    b_cache = _cache(methods.h2o(), 16, 8)
-    b = MODEL.generate(input_ids=out[:, :-2], past_key_values=b_cache, max_new_tokens=0 or 1, do_sample=False)
-    assert b.shape[1] == out.shape[1] - 1
     fresh = _cache(methods.h2o(), 16, 8)
     MODEL.generate(input_ids=prompt, past_key_values=fresh, max_new_tokens=10, min_new_tokens=10, do_sample=False)
     c = MODEL.generate(input_ids=out[:, :-3], past_key_values=fresh, max_new_tokens=20, min_new_tokens=20,
