@@ -33,6 +33,9 @@ from .selectors import BlockGranular, RandomDrop, Sample, Selector, TopK
 from .stores import DenseStore, KVStore, PagedStore
 from .tiers import CompressedTier, Evict, Hierarchy, HostTier, TierStore, TierTokens
 from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
+from . import blocks
+from .blocks import (CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore,
+                     NonCausalAttention, OutputProjection, Rotary)
 
 __version__ = "0.1.0"
 
@@ -48,4 +51,6 @@ __all__ = [
     "Pyramid", "ReasoningWave", "HeadUtility", "GrowPage",
     "HostTier", "CompressedTier", "Hierarchy", "TierTokens",
     "BranchCache", "BranchMemory",
+    "blocks", "KeyDiff", "LagKV", "CUR", "LeverageScore", "NonCausalAttention", "Compactor", "CriticalKV",
+    "ExpectedAttention", "CAP", "Rotary", "OutputProjection",
 ]

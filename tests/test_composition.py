@@ -4,8 +4,9 @@ on a tiny model, with the invariants the one layer core promises."""
 
 from __future__ import annotations
 
+import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvcompose import (
@@ -15,10 +16,19 @@ from kvcompose import (
     WindowedAttention, methods,
 )
 from kvcompose.block import EventTrigger
+from kvcompose.blocks import (
+    CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore, NonCausalAttention,
+    OutputProjection, Rotary,
+)
 from kvcompose.models import tiny_model
 
 MODEL = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
-RANDOM_BLOCKS = (RandomDrop, Sample, RandomScore)
+RANDOM_BLOCKS = (RandomDrop, Sample, RandomScore, LeverageScore, Compactor)
+ROPE, PROJ = Rotary.from_model(MODEL), OutputProjection.from_model(MODEL)
+# the scorers ported from kvpress (kvcompose.blocks), at sizes this tiny model reaches
+PORTED_SCORERS = [KeyDiff(), LagKV(sinks=2, lag=4), CUR(sinks=2, window=4), ExpectedAttention(ROPE, window=4, future=16),
+                  CAP(ROPE, window=4, future=16), CriticalKV(KeyNorm(), PROJ), NonCausalAttention(chunk=8, window=8),
+                  LeverageScore(ROPE, sketch=8), Compactor(ROPE, sinks_start=2, sinks_end=2, chunk=8, sketch=8, window=8)]
 
 
 def _presets(recent: int) -> dict:
@@ -61,7 +71,8 @@ def pipelines(draw):
         return Pipeline(*protectors, scorer, Sample()), rec, sinks
     scorer = draw(st.sampled_from([Recency(), KeyNorm(), ValueNorm(), AccumulatedAttention(), WindowedAttention(4),
                                    LastQueryAttention(), 0.5 * KeyNorm() - 0.5 * KeyRedundancy(), RandomScore(),
-                                   0.3 * AccumulatedAttention() + 0.7 * ValueNorm()]))
+                                   0.3 * AccumulatedAttention() + 0.7 * ValueNorm(), *PORTED_SCORERS,
+                                   0.5 * KeyDiff() + 0.5 * AccumulatedAttention()]))
     return Pipeline(*protectors, scorer, TopK()), rec, sinks
 
 
@@ -166,7 +177,10 @@ def _check_cache(cache, pipe, budget, interval, rec, sinks, mask, seen):
        budget=st.integers(16, 24), interval=st.integers(3, 6), rows=st.integers(1, 2), pad=st.integers(1, 4),
        prompt=st.integers(8, 16), seed=st.integers(0, 3))
 def test_plain_cache_product(pipes, alloc, tier, budget, interval, rows, pad, prompt, seed):
-    pipe0, rec, sinks = pipes
+    _product_case(*pipes, alloc, tier, budget, interval, rows, pad, prompt, seed)
+
+
+def _product_case(pipe0, rec, sinks, alloc, tier, budget, interval, rows, pad, prompt, seed):
     pipe = pipe0.replace(ALLOCATORS[alloc](max(rec, 1)), TIERS[tier]())
     ids, mask = _inputs(rows, prompt, pad, seed)
     new = budget + 3 * interval  # seen > budget + interval: every combination compresses at least twice
@@ -190,6 +204,20 @@ def test_plain_cache_product(pipes, alloc, tier, budget, interval, rows, pad, pr
     if rows == 2 and _deterministic(pipe) and alloc not in ("growpage", "heads") and tier not in ("hierarchy", "compressed"):
         alone = _teacher_forced(pipe, budget, interval, out[:1, pad:], prompt - pad, seed)
         torch.testing.assert_close(logits[:1], alone, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("block", range(len(PORTED_SCORERS)), ids=[type(b).__name__ for b in PORTED_SCORERS])
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(alloc=st.sampled_from(sorted(ALLOCATORS)), tier=st.sampled_from(sorted(TIERS)), rows=st.integers(1, 2),
+       seed=st.integers(0, 3), protect=st.booleans())
+@example(alloc="uniform", tier="host", rows=2, seed=0, protect=True)  # the padded-row check runs for every block
+def test_ported_scorers_in_the_product(block, alloc, tier, rows, seed, protect):
+    """Every scorer ported from kvpress, in the product above (some allocator and tier each run), with and without
+    protection: the same invariants (protected kept, held within budget, sorted unique positions, same seed same
+    result, a padded row equal to the row alone)."""
+    prot = [ProtectRecent(2), ProtectSinks(1)] if protect else []
+    _product_case(Pipeline(*prot, PORTED_SCORERS[block], TopK()), 2 if protect else 0, 1 if protect else 0, alloc, tier,
+                  16, 4, rows, 2, 12, seed)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

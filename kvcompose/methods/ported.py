@@ -1,0 +1,122 @@
+"""kvpress 0.5.5's presses as kvcompose presets, at their papers' (and kvpress's) defaults.
+
+Each preset is a few blocks from `kvcompose.blocks` (one press per file there). Presets whose rule needs
+the model's data (its rotary embedding, its output projections) take `model=`; `methods.preset(name,
+model=...)` builds any of them by name (`PORTED` lists them). `docs/methods.md` maps every kvpress press
+to its kvcompose block or preset and says where the rule differs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..blocks import (
+    CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore, NonCausalAttention,
+    OutputProjection, Rotary,
+)
+from ..pipeline import Pipeline
+from ..scorers import Scorer
+from ..selectors import TopK
+from ..view import KVComposeError
+
+__all__ = ["keydiff", "lagkv", "cur", "leverage", "noncausal_attention", "compactor", "expected_attention", "cap",
+           "criticalkv", "PORTED", "NEEDS_MODEL"]
+
+
+def _rope(model: Any, rope: Rotary | None, who: str) -> Rotary:
+    if rope is not None:
+        if not isinstance(rope, Rotary):
+            raise KVComposeError(f"{who}: rope must be a kvcompose.blocks.Rotary, got {type(rope).__name__}")
+        return rope
+    if model is None:
+        raise KVComposeError(f"{who} needs the model (its rule is defined on pre-RoPE vectors): {who}(model=model)")
+    return Rotary.from_model(model)
+
+
+def keydiff(model: Any = None) -> Pipeline:
+    """KeyDiff: keep the keys least similar to the mean key direction (Park et al., arXiv 2504.15364;
+    kvpress's `KeyDiffPress`). Query-free; `model` is ignored."""
+    return Pipeline(KeyDiff(), TopK(), name="keydiff")
+
+
+def lagkv(sinks: int = 4, lag: int = 128, model: Any = None) -> Pipeline:
+    """LagKV: each partition of `lag` tokens scored against the next one, 4 sinks and the newest partition
+    kept (Liang et al., arXiv 2504.04704; kvpress's `LagKVPress`, defaults 4 and 128). Query-free."""
+    return Pipeline(LagKV(sinks=sinks, lag=lag), TopK(), name=f"lagkv(lag={lag})")
+
+
+def cur(sinks: int = 4, window: int = 16, model: Any = None) -> Pipeline:
+    """CurDKV: approximate leverage `|k|^2 |v|^2` normalised in local windows of 16, 4 sinks
+    (arXiv 2509.15038; kvpress's `CURPress` defaults). Query-free."""
+    return Pipeline(CUR(sinks=sinks, window=window), TopK(), name="cur")
+
+
+def leverage(model: Any = None, rope: Rotary | None = None, sketch: int = 48) -> Pipeline:
+    """Compactor's leverage of the pre-RoPE keys alone (kvpress's `LeverageScorePress`, sketch 48). Query-free;
+    needs the model's rotary embedding (`model=` or `rope=`)."""
+    return Pipeline(LeverageScore(_rope(model, rope, "leverage"), sketch=sketch), TopK(), name="leverage")
+
+
+def noncausal_attention(chunk: int = 256, window: int | None = 256, model: Any = None) -> Pipeline:
+    """Compactor's non-causal chunked attention alone (kvpress's `NonCausalAttnPress`, chunk 256): a prefill
+    rule (run it with `compress_prefill=True` and a window of at least the prompt)."""
+    return Pipeline(NonCausalAttention(chunk=chunk, window=window), TopK(), name="noncausal_attention")
+
+
+def compactor(model: Any = None, rope: Rotary | None = None, sinks_start: int = 8, sinks_end: int = 4,
+              chunk: int = 256, window: int | None = 256) -> Pipeline:
+    """Compactor: leverage blended with non-causal chunked attention by the compression ratio, 8 leading and
+    4 trailing tokens kept (Chari & Van Durme, arXiv 2507.08143; kvpress's `CompactorPress` defaults)."""
+    scorer = Compactor(_rope(model, rope, "compactor"), sinks_start=sinks_start, sinks_end=sinks_end, chunk=chunk,
+                       window=window)
+    return Pipeline(scorer, TopK(), name="compactor")
+
+
+def expected_attention(model: Any = None, rope: Rotary | None = None, window: int = 64, future: int = 512,
+                       sinks: int = 4, epsilon: float = 0.0) -> Pipeline:
+    """Expected Attention: the attention the next 512 queries are expected to pay, from the mean and
+    covariance of the last `window` pre-RoPE queries, times `|v|`, 4 sinks (Devoto et al., arXiv 2510.00636;
+    kvpress's `ExpectedAttentionPress` defaults; the window is kvpress's DecodingPress buffer at interval 64)."""
+    scorer = ExpectedAttention(_rope(model, rope, "expected_attention"), window=window, future=future, sinks=sinks,
+                               epsilon=epsilon)
+    return Pipeline(scorer, TopK(), name=f"expected_attention(window={window})")
+
+
+def cap(model: Any = None, rope: Rotary | None = None, tau: float = 5.0, window: int = 64, future: int = 512,
+        sinks: int = 4) -> Pipeline:
+    """CAP: query-weighted leverage of the values in a capacity matrix, tau 5, 4 sinks (kvpress's `CapPress`
+    defaults)."""
+    scorer = CAP(_rope(model, rope, "cap"), tau=tau, window=window, future=future, sinks=sinks)
+    return Pipeline(scorer, TopK(), name="cap")
+
+
+def criticalkv(model: Any = None, inner: Scorer | None = None, epsilon: float = 1e-4, first_stage: float = 0.5,
+               rope: Rotary | None = None, projection: OutputProjection | None = None) -> Pipeline:
+    """CriticalKV over `inner` (default: ExpectedAttention without its value norm, kvpress's recommended
+    pairing): half the budget by the inner score, the rest by `(s + 1e-4) |v W_o|_1` (Feng et al.,
+    arXiv 2502.03805; kvpress's `CriticalKVPress`). Needs the model (its output projections)."""
+    if projection is None:
+        if model is None:
+            raise KVComposeError("criticalkv needs the model's output projections: criticalkv(model=model)")
+        projection = OutputProjection.from_model(model)
+    if inner is None:
+        inner = ExpectedAttention(_rope(model, rope, "criticalkv"), value_norm=False)
+    return Pipeline(CriticalKV(inner, projection, epsilon=epsilon, first_stage=first_stage), TopK(),
+                    name=f"criticalkv({inner!r})")
+
+
+PORTED = {
+    "keydiff": keydiff,
+    "lagkv": lagkv,
+    "cur": cur,
+    "leverage": leverage,
+    "noncausal_attention": noncausal_attention,
+    "compactor": compactor,
+    "expected_attention": expected_attention,
+    "cap": cap,
+    "criticalkv": criticalkv,
+}
+"""Presets ported from kvpress, by name; every one takes `model=` (ignored where the rule does not need it)."""
+
+NEEDS_MODEL = frozenset({"leverage", "compactor", "expected_attention", "cap", "criticalkv"})
+"""The ported presets whose rule needs the model's data (`model=` is required)."""
