@@ -17,13 +17,14 @@ from kvcompose import (
 )
 from kvcompose.block import EventTrigger
 from kvcompose.blocks import (
-    CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore, NonCausalAttention,
-    OutputProjection, Rotary,
+    CAM, CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore, MergeSimilar,
+    NonCausalAttention, OutputProjection, Rotary,
 )
 from kvcompose.models import tiny_model
 
 MODEL = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
-RANDOM_BLOCKS = (RandomDrop, Sample, RandomScore, LeverageScore, Compactor)
+RANDOM_BLOCKS = (RandomDrop, Sample, RandomScore, LeverageScore, Compactor, CAM)
+MERGERS = [None, None, MergeSimilar(), MergeSimilar(threshold=0.2, fraction=0.5), CAM(window=4)]  # optional part
 ROPE, PROJ = Rotary.from_model(MODEL), OutputProjection.from_model(MODEL)
 # the scorers ported from kvpress (kvcompose.blocks), at sizes this tiny model reaches
 PORTED_SCORERS = [KeyDiff(), LagKV(sinks=2, lag=4), CUR(sinks=2, window=4), ExpectedAttention(ROPE, window=4, future=16),
@@ -63,6 +64,9 @@ def pipelines(draw):
         protectors.append(ProtectSinks(sinks))
     if draw(st.booleans()):
         protectors.append(ProtectPrompt(limit=4))
+    merger = draw(st.sampled_from(MERGERS))
+    if merger is not None:
+        protectors.append(merger)  # the merging part folds evicted values into kept tokens, with any selector
     kind = draw(st.sampled_from(["random", "topk", "sample"]))
     if kind == "random":
         return Pipeline(*protectors, RandomDrop()), rec, sinks
@@ -91,7 +95,7 @@ TIERS = {
 
 
 def _deterministic(pipe: Pipeline) -> bool:
-    return not any(isinstance(b, RANDOM_BLOCKS) for b in (*pipe.leaves, pipe.selector))
+    return not any(isinstance(b, RANDOM_BLOCKS) for b in (*pipe.leaves, pipe.selector, pipe.merger))
 
 
 def _inputs(rows: int, t: int, pad: int, seed: int):
@@ -206,18 +210,27 @@ def _product_case(pipe0, rec, sinks, alloc, tier, budget, interval, rows, pad, p
         torch.testing.assert_close(logits[:1], alone, atol=2e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("block", range(len(PORTED_SCORERS)), ids=[type(b).__name__ for b in PORTED_SCORERS])
+# every scorer ported from kvpress with TopK, and every merger with a scored and a random selector
+PORTED_CASES = [(type(sc).__name__, (lambda sc: lambda prot: Pipeline(*prot, sc, TopK()))(sc)) for sc in PORTED_SCORERS] + [
+    ("MergeSimilar+h2o", lambda prot: Pipeline(*prot, AccumulatedAttention(), TopK(), MergeSimilar())),
+    ("MergeSimilar+random", lambda prot: Pipeline(*prot, RandomDrop(), MergeSimilar(fraction=0.5))),
+    ("CAM+keydiff", lambda prot: Pipeline(*prot, KeyDiff(), TopK(), CAM(window=4))),
+    ("CAM+random", lambda prot: Pipeline(*prot, RandomDrop(), CAM(window=4))),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PORTED_CASES)), ids=[c[0] for c in PORTED_CASES])
 @settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(alloc=st.sampled_from(sorted(ALLOCATORS)), tier=st.sampled_from(sorted(TIERS)), rows=st.integers(1, 2),
        seed=st.integers(0, 3), protect=st.booleans())
-@example(alloc="uniform", tier="host", rows=2, seed=0, protect=True)  # the padded-row check runs for every block
-def test_ported_scorers_in_the_product(block, alloc, tier, rows, seed, protect):
-    """Every scorer ported from kvpress, in the product above (some allocator and tier each run), with and without
-    protection: the same invariants (protected kept, held within budget, sorted unique positions, same seed same
-    result, a padded row equal to the row alone)."""
+@example(alloc="uniform", tier="host", rows=2, seed=0, protect=True)  # the padded-row check runs for every case
+def test_ported_blocks_in_the_product(case, alloc, tier, rows, seed, protect):
+    """Every scorer and merger ported from kvpress, in the product above (some allocator and tier each run), with
+    and without protection: the same invariants (protected kept, held within budget, sorted unique positions,
+    same seed same result, a padded row equal to the row alone)."""
     prot = [ProtectRecent(2), ProtectSinks(1)] if protect else []
-    _product_case(Pipeline(*prot, PORTED_SCORERS[block], TopK()), 2 if protect else 0, 1 if protect else 0, alloc, tier,
-                  16, 4, rows, 2, 12, seed)
+    _product_case(PORTED_CASES[case][1](prot), 2 if protect else 0, 1 if protect else 0, alloc, tier, 16, 4, rows, 2, 12,
+                  seed)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

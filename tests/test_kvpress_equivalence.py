@@ -238,3 +238,52 @@ def test_prefill_compression_traces_match_kvpress(model, name):
     ours = _teacher_force(model, prompt, trace, cache, contextlib.nullcontext())
     assert cache.stats.compress_calls == 2  # one prefill event per layer
     torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ merging
+def _match_values(pre: Prefill, keys, values, kept: torch.Tensor, merged: torch.Tensor):
+    """kvpress's gathered (keys, values) against kvcompose's merged values at the same kept slots."""
+    for h in range(H):
+        slots = (keys[0, h][:, None] == pre.keys[0, h][None]).all(-1).float().argmax(-1)  # kvpress order -> slots
+        assert sorted(slots.tolist()) == kept[0, h].tolist()
+        torch.testing.assert_close(merged[0, h, slots], values[0, h], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.2])
+def test_merging_press_matches_kvpress(model, threshold):
+    from kvcompose.blocks import MergeSimilar
+
+    pre = Prefill(model, 64, seed=4)
+    press = kvpress.MergingPress(press=kvpress.KnormPress(), similarity_threshold=threshold)
+    press.compression_ratio = 0.5
+    with torch.no_grad():
+        keys, values = press.compress(pre.attn, pre.hidden, pre.keys, pre.values, None, pre.kwargs)
+    sel, _ = Pipeline(KeyNorm(), TopK(), MergeSimilar(threshold=threshold)).select(pre.view(), 32)
+    assert not torch.allclose(sel.values, pre.values)
+    _match_values(pre, keys, values, sel.kept, sel.values)
+
+
+class _HeadMean(KeyNorm):
+    """Knorm averaged over the KV heads: the one kept set for all heads that kvpress's CAMPress uses."""
+
+    def score(self, view):
+        return super().score(view).mean(1, keepdim=True).expand(view.shape)
+
+
+def test_cam_press_matches_kvpress(model):
+    from kvcompose.blocks import CAM
+
+    pre = Prefill(model, 64, seed=5)
+    attn = torch.rand(1, H, 64, generator=torch.Generator().manual_seed(1))  # accumulated attention
+    k = 12  # decoding steps since the last compression
+    press = kvpress.CAMPress(base_press=kvpress.KnormPress(), target_size=40, merge_budget=8)
+    press.layer_step_counts[pre.layer] = k
+    press._running_attn_sum[pre.layer] = attn.clone()
+    torch.manual_seed(9)
+    with torch.no_grad():
+        keys, values = press.compress(pre.attn, pre.hidden, pre.keys, pre.values.clone(), attn.clone(), pre.kwargs)
+    view = pre.view(seed=9)
+    view = type(view)(**{**view.__dict__, "prompt_length": view.seen - k})
+    sel, _ = Pipeline(_HeadMean(), TopK(), CAM(window=8)).select(view, 40, channels=attn[..., None])
+    assert not torch.allclose(sel.values, pre.values)
+    _match_values(pre, keys, values, sel.kept, sel.values)

@@ -4,12 +4,14 @@ really has: scorers (`LayerView -> [B, H, T]`), selectors, allocators and the me
 - query-free scorers: `KeyDiff` (keydiff), `LagKV` (lagkv), `CUR` (cur), `LeverageScore` (leverage).
 - query-window scorers: `ExpectedAttention` (expected_attention), `CAP` (cap), `NonCausalAttention`
   (noncausal), `Compactor` (compactor); `CriticalKV` (critical) wraps any scorer.
+- the merging part (a pipeline role of its own): `Merger`, `MergeSimilar` (merging), `CAM` (cam).
 - model data a block may be given (never read from a global): `Rotary` (rotary) for rules defined on
   pre-RoPE vectors, `OutputProjection` (critical) for CriticalKV.
 
 `docs/methods.md` maps every kvpress press to its kvcompose block or preset and says where the rule differs.
 """
 
+from .cam import CAM, DecodeAttention, EventClock
 from .cap import CAP
 from .compactor import Compactor
 from .critical import CriticalKV, OutputProjection
@@ -18,8 +20,10 @@ from .expected_attention import ExpectedAttention
 from .keydiff import KeyDiff
 from .lagkv import LagKV
 from .leverage import LeverageScore
+from .merging import MergeSimilar, Merger
 from .noncausal import NonCausalAttention
 from .rotary import Rotary
 
 __all__ = ["KeyDiff", "LagKV", "CUR", "LeverageScore", "NonCausalAttention", "Compactor", "CriticalKV",
-           "OutputProjection", "ExpectedAttention", "CAP", "Rotary"]
+           "OutputProjection", "ExpectedAttention", "CAP", "Rotary", "Merger", "MergeSimilar", "CAM", "DecodeAttention",
+           "EventClock"]

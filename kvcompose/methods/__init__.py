@@ -8,14 +8,14 @@ from .reasoning import random_attention, rkv, vase
 from .hierarchy import memory_hierarchy, with_tier
 from .allocation import growpage, pyramid_rkv, reason_alloc, with_allocator
 from .reco import Reco, RewardAllocator, reco, reco_evict  # not in PRESETS: reco returns a bundle, not a pipeline
-from .ported import (NEEDS_MODEL, PORTED, cap, compactor, criticalkv, cur, expected_attention, keydiff, lagkv,
-                     leverage, noncausal_attention)
+from .ported import (NEEDS_MODEL, PORTED, cam, cap, compactor, criticalkv, cur, expected_attention, keydiff, lagkv,
+                     leverage, merging, noncausal_attention, with_merger)
 
 __all__ = ["full", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "rkv", "random_attention", "vase", "PRESETS",
            "memory_hierarchy", "with_tier", "pyramid_rkv", "reason_alloc", "growpage", "with_allocator",
            "reco", "Reco", "RewardAllocator", "reco_evict",
            "PORTED", "NEEDS_MODEL", "preset", "keydiff", "lagkv", "cur", "leverage", "noncausal_attention", "compactor",
-           "expected_attention", "cap", "criticalkv"]
+           "expected_attention", "cap", "criticalkv", "cam", "merging", "with_merger"]
 
 PRESETS = {
     "full": full,

@@ -11,16 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 from ..blocks import (
-    CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore, NonCausalAttention,
-    OutputProjection, Rotary,
+    CAM, CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore, MergeSimilar, Merger,
+    NonCausalAttention, OutputProjection, Rotary,
 )
+from .baselines import h2o
 from ..pipeline import Pipeline
 from ..scorers import Scorer
 from ..selectors import TopK
 from ..view import KVComposeError
 
 __all__ = ["keydiff", "lagkv", "cur", "leverage", "noncausal_attention", "compactor", "expected_attention", "cap",
-           "criticalkv", "PORTED", "NEEDS_MODEL"]
+           "criticalkv", "with_merger", "cam", "merging", "PORTED", "NEEDS_MODEL"]
 
 
 def _rope(model: Any, rope: Rotary | None, who: str) -> Rotary:
@@ -105,6 +106,30 @@ def criticalkv(model: Any = None, inner: Scorer | None = None, epsilon: float = 
                     name=f"criticalkv({inner!r})")
 
 
+def with_merger(base: Pipeline, merger: Merger, name: str | None = None) -> Pipeline:
+    """The blocks of `base` with `merger` folding the values of the tokens that leave for good into kept ones."""
+    if not isinstance(base, Pipeline) or not base.compresses:
+        raise KVComposeError(f"with_merger needs a compressing kvcompose Pipeline, got {base!r}")
+    if base.merger is not None:
+        raise KVComposeError(f"{base!r} already merges with {base.merger!r}")
+    return base.replace(merger, name=name or f"{base!r} + {merger!r}")
+
+
+def cam(base: Pipeline | None = None, window: int = 32, model: Any = None) -> Pipeline:
+    """CaM: evicted values merged into the 32 kept tokens after them with probability from accumulated attention
+    (Zhang et al., ICML 2024; kvpress's `CAMPress`, `merge_budget=32`), over `base` eviction (H2O by default,
+    one of the paper's base policies)."""
+    base = base if base is not None else h2o()
+    return with_merger(base, CAM(window=window), name=f"cam({base!r})")
+
+
+def merging(base: Pipeline | None = None, threshold: float = 0.0, fraction: float = 1.0, model: Any = None) -> Pipeline:
+    """MergingPress's rule: each evicted value folded into its most key-similar kept token, weighted by similarity
+    and value norms (kvpress's `MergingPress` defaults), over `base` eviction (H2O by default)."""
+    base = base if base is not None else h2o()
+    return with_merger(base, MergeSimilar(threshold=threshold, fraction=fraction), name=f"merging({base!r})")
+
+
 PORTED = {
     "keydiff": keydiff,
     "lagkv": lagkv,
@@ -115,6 +140,8 @@ PORTED = {
     "expected_attention": expected_attention,
     "cap": cap,
     "criticalkv": criticalkv,
+    "cam": cam,
+    "merging": merging,
 }
 """Presets ported from kvpress, by name; every one takes `model=` (ignored where the rule does not need it)."""
 
