@@ -113,7 +113,7 @@ def _not_first(t: int, n: int, last: int = 0):
 CASES = {
     # name: (kvcompose block factory(model), kvpress press factory, T, compare mask factory, random)
     "keydiff": (lambda m: KeyDiff(), lambda: kvpress.KeyDiffPress(), 64, None, False),
-    "lagkv": (lambda m: LagKV(sinks=4, lag=16), lambda: kvpress.LagKVPress(lag_size=16), 70, None, False),
+    "lagkv": (lambda m: LagKV(sinks=4, lag=16, tiebreak=False), lambda: kvpress.LagKVPress(lag_size=16), 70, None, False),
     "lagkv-cross": (lambda m: LagKV(sinks=4, lag=16, cross_scoring=True),
                     lambda: kvpress.LagKVPress(lag_size=16, cross_scoring=True), 70, None, False),
     "cur": (lambda m: CUR(), lambda: kvpress.CURPress(), 64, None, False),
@@ -227,7 +227,7 @@ def test_prefill_compression_traces_match_kvpress(model, name):
     press, block = {
         "expected_attention": (kvpress.ExpectedAttentionPress(), ExpectedAttention(rope, window=64)),
         "cap": (kvpress.CapPress(), CAP(rope, window=64)),
-        "lagkv": (kvpress.LagKVPress(lag_size=8), LagKV(lag=8)),
+        "lagkv": (kvpress.LagKVPress(lag_size=8), LagKV(lag=8, tiebreak=False)),
         "cur": (kvpress.CURPress(), CUR()),
         "noncausal": (kvpress.NonCausalAttnPress(chunk_size=16), NonCausalAttention(chunk=16, window=64)),
     }[name]
@@ -287,3 +287,112 @@ def test_cam_press_matches_kvpress(model):
     sel, _ = Pipeline(_HeadMean(), TopK(), CAM(window=8)).select(view, 40, channels=attn[..., None])
     assert not torch.allclose(sel.values, pre.values)
     _match_values(pre, keys, values, sel.kept, sel.values)
+
+
+# ------------------------------------------------------------------------------------------ ChunkKV, KVCompose
+@pytest.mark.parametrize("t,budget", [(60, 30), (65, 30), (65, 40)])
+def test_chunkkv_matches_kvpress(model, t, budget):
+    pre = Prefill(model, t, seed=6)
+    ratio = 1 - budget / t
+    theirs = pre.press_kept(kvpress.ChunkKVPress(press=kvpress.KnormPress(), chunk_length=10), ratio)
+    sel, _ = methods.chunkkv(Pipeline(KeyNorm(), TopK()), chunk=10).select(pre.view(), budget)
+    assert [sel.kept[0, h][sel.kept[0, h] >= 0].tolist() for h in range(H)] == theirs
+
+
+def test_chunkkv_overshoot_differs_on_purpose(model):
+    """kvpress keeps int(chunks * (1 - ratio)) chunks: 3 of 5 at 41 tokens and a target of 25, up to 30 tokens;
+    kvcompose keeps chunks while they fit in the budget."""
+    pre = Prefill(model, 41, seed=7)
+    theirs = pre.press_kept(kvpress.ChunkKVPress(press=kvpress.KnormPress(), chunk_length=10), 1 - 25 / 41)
+    sel, _ = methods.chunkkv(Pipeline(KeyNorm(), TopK()), chunk=10).select(pre.view(), 25)
+    assert max(len(x) for x in theirs) > 25 >= int((sel.kept >= 0).sum(-1).max())
+
+
+@pytest.mark.parametrize("structured", [True, False])
+def test_kvcompose_paper_matches_kvpress(structured):
+    """KVComposePress on a one-layer model (its cross-layer allocation is then the layer's own): the attention of
+    a question over a context, max over queries, mean over the group, + the head mean; composite counts."""
+    from kvcompose.blocks import AggregatedAttention, CompositeTokens
+    from kvcompose.calibration import _QueryProbe
+
+    m = tiny_model("llama", layers=1, heads=HQ, kv_heads=H, head_dim=D, attn_implementation="eager")
+    g = torch.Generator().manual_seed(8)
+    ctx, question = torch.randint(3, 128, (1, 48), generator=g), torch.randint(3, 128, (1, 8), generator=g)
+    press = kvpress.KVComposePress(structured=structured, compression_ratio=0.5)
+    press._register_model(m)
+    press.register_context_ids(ctx)
+    with torch.no_grad():
+        cache = DynamicCache()
+        m(input_ids=ctx, past_key_values=cache)
+        att = m(input_ids=question, past_key_values=cache, output_attentions=True).attentions[0]
+    for head in range(HQ):
+        press.task_aggregators[0][head].partial_fit(att[:, head, :, :48])
+    press._register_cache(cache)
+    press.prepare_important_masks()
+    # kvcompose: the same tokens through a kvcompose cache that records the question's queries
+    ours_cache = KVComposeCache(m, Pipeline(_QueryProbe(8)), budget=None)
+    with torch.no_grad():
+        m(input_ids=ctx, past_key_values=ours_cache)
+        m(input_ids=question, past_key_values=ours_cache)
+    view, _, _ = ours_cache.layers[0].view()
+    scores = AggregatedAttention(window=8)(view)[..., :48]
+    torch.testing.assert_close(scores[0], press.scores[0], atol=1e-6, rtol=1e-5)
+    budget = torch.full((1, H), int(press.important_per_layer[0]) if structured else 48 * H // 2 // H)
+    if not structured:
+        assert int(press.important_per_head.sum()) == int(budget.sum())
+    kept, _ = CompositeTokens(structured=structured)(scores, torch.zeros(1, H, 48, dtype=torch.bool),
+                                                     torch.ones(1, H, 48, dtype=torch.bool), budget)
+    for h in range(H):
+        want = press.important_mask_per_kv_head[0][h].nonzero().flatten().tolist()
+        assert kept[0, h][kept[0, h] >= 0].tolist() == want
+
+
+# ------------------------------------------------------------------------------------------ DuoAttention, LU-KV
+def test_duo_attention_matches_kvpress(model, monkeypatch):
+    """The same head scores (DuoAttention's pattern) give the same streaming heads and, at prefill, the same kept
+    tokens: streaming heads keep their sinks and recent tokens, retrieval heads everything."""
+    import numpy as np
+
+    from kvcompose import ProtectSinks, Recency
+    from kvcompose.blocks import DuoHeads
+
+    scores = np.random.default_rng(0).random((2, H))
+    monkeypatch.setattr(kvpress.DuoAttentionPress, "load_attention_pattern", staticmethod(lambda m: (4, 12, scores)))
+    press = kvpress.DuoAttentionPress(head_compression_ratio=0.5)
+    press.post_init_from_model(model)
+    duo = DuoHeads({"head_scores": scores.tolist()}, streaming=0.5)
+    assert torch.equal(duo.mask, press.streaming_mask.cpu())
+    pre = Prefill(model, 40, layer=1)
+    with torch.no_grad():
+        pre.attn.config._attn_implementation = "sdpa"
+        press.compress(pre.attn, pre.hidden, pre.keys, pre.values, None, pre.kwargs)
+    masked = torch.zeros(1, H, 40, dtype=torch.bool)
+    if getattr(pre.attn, "masked_key_indices", None) is not None:
+        masked[pre.attn.masked_key_indices] = True
+        del pre.attn.masked_key_indices
+    sel, _ = Pipeline(ProtectSinks(4), Recency(), TopK(), duo).select(pre.view(), 16)
+    for h in range(H):
+        assert sel.kept[0, h][sel.kept[0, h] >= 0].tolist() == (~masked[0, h]).nonzero().flatten().tolist()
+
+
+def test_lukv_matches_kvpress(model):
+    import numpy as np
+
+    from kvcompose import ProtectRecent, ProtectSinks
+    from kvcompose.blocks import HeadCurves
+
+    curves = np.random.default_rng(1).random((99, 2, H)) * 0.9
+    press = kvpress.LUKVPress(press=kvpress.KnormPress(), compression_ratio=0.5, sink=4, window=1)
+    press._budget_curves = curves
+    pre = Prefill(model, 64, layer=1, seed=3)
+    with torch.no_grad():
+        pre.attn.config._attn_implementation = "sdpa"
+        press.compress(pre.attn, pre.hidden, pre.keys, pre.values, None, pre.kwargs)
+    masked = torch.zeros(1, H, 64, dtype=torch.bool)
+    masked[pre.attn.masked_key_indices] = True
+    del pre.attn.masked_key_indices
+    pipe = Pipeline(ProtectSinks(4), ProtectRecent(1), KeyNorm(), TopK(), HeadCurves({"prune": curves.tolist()}))
+    sel, _ = pipe.select(pre.view(), 32)
+    kept = [sel.kept[0, h][sel.kept[0, h] >= 0].tolist() for h in range(H)]
+    assert kept == [(~masked[0, h]).nonzero().flatten().tolist() for h in range(H)]
+    assert len(kept[0]) != len(kept[1])  # really head-wise

@@ -139,7 +139,10 @@ def test_keydiff_matches_loop_reference():
 def test_lagkv_matches_loop_reference(cross):
     for t, ragged in ((40, False), (40, True), (12, False)):  # 12 < sinks + 2 lag: the recency ramp
         view = _view(seed=2, t=t, w=4, ragged=ragged)
-        _check(LagKV(sinks=2, lag=5, cross_scoring=cross)(view), ref_lagkv(view, 2, 5, cross), view)
+        _check(LagKV(sinks=2, lag=5, cross_scoring=cross, tiebreak=False)(view), ref_lagkv(view, 2, 5, cross), view)
+        tb = LagKV(sinks=2, lag=5, cross_scoring=cross)(view)  # the tie-break never reorders distinct ranks
+        plain = LagKV(sinks=2, lag=5, cross_scoring=cross, tiebreak=False)(view)
+        assert bool(((tb - plain).abs() < 0.5 / 5 + 1e-6).all())
 
 
 @pytest.mark.parametrize("kind", ["key", "value", "kv_avg", "kv_product"])
@@ -488,7 +491,9 @@ def test_every_ported_preset_runs_in_generate(name):
     from kvcompose import KVComposeCache, methods
 
     model = _preset_model()
-    kw = {"lag": 8} if name == "lagkv" else {}
+    kw = {"lagkv": {"lag": 8}, "chunkkv": {"base": methods.snapkv(window=8)},
+          "duo_attention": {"profile": {"head_scores": [[0.9, 0.1], [0.2, 0.8]]}},
+          "lukv": {"curves": (torch.rand(99, 2, 2, generator=torch.Generator().manual_seed(0)) * 0.8).tolist()}}.get(name, {})
     pipe = methods.preset(name, model=model, **kw)
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     cache = KVComposeCache(model, pipe, budget=24, interval=8)
@@ -498,4 +503,7 @@ def test_every_ported_preset_runs_in_generate(name):
         assert max(cache.held_lengths()) < 24 + 8
     if name in methods.NEEDS_MODEL:
         with pytest.raises(KVComposeError, match="model"):
-            methods.preset(name)
+            methods.preset(name, **kw)
+    if name in methods.NEEDS_PROFILE:
+        with pytest.raises(KVComposeError, match="calibrate"):
+            methods.preset(name, model=model)

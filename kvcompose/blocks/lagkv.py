@@ -39,20 +39,26 @@ class LagKV(Scorer):
     rank, as there). kvpress cuts partitions by slot index; kvcompose by index among the *real* tokens of each
     (row, KV head), in position order (identical on a contiguous cache; padding is skipped). Query-free.
 
+    Ranks repeat across partitions (every partition has a token of rank 0, 1/lag, ...), so many tokens tie:
+    `tiebreak=True` (default) adds less than half a rank step growing with recency, so among equal ranks the
+    newest token is kept, whatever the width of the view (kvpress leaves ties to `torch.topk`, whose order is
+    unspecified; a left-padded row then could keep other tokens than the row alone).
+
     Args:
         sinks: leading tokens always kept (4).
         lag: partition size (128).
         cross_scoring: return the partition softmax instead of the rank (comparable across partitions).
+        tiebreak: break equal ranks by recency (True; False: kvpress's scores exactly).
 
     Shapes: keys `[B, H, T, D]`, values `[B, H, T, Dv]` -> `[B, H, T]`.
     """
 
-    def __init__(self, sinks: int = 4, lag: int = 128, cross_scoring: bool = False):
+    def __init__(self, sinks: int = 4, lag: int = 128, cross_scoring: bool = False, tiebreak: bool = True):
         if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
             raise KVComposeError(f"LagKV: sinks must be an int >= 0, got {sinks!r}")
         if isinstance(lag, bool) or not isinstance(lag, int) or lag <= 0:
             raise KVComposeError(f"LagKV: lag must be a positive int, got {lag!r}")
-        self.sinks, self.lag, self.cross_scoring = sinks, lag, bool(cross_scoring)
+        self.sinks, self.lag, self.cross_scoring, self.tiebreak = sinks, lag, bool(cross_scoring), bool(tiebreak)
 
     def _states_score(self, x: Float[Tensor, "B H T E"], part: Int[Tensor, "B H T"],
                       scored: Bool[Tensor, "B H T"], member: Bool[Tensor, "B H T"], n_parts: int
@@ -98,10 +104,12 @@ class LagKV(Scorer):
             start = torch.where(scored, part, torch.zeros_like(part)) * self.lag  # partitions are full
             # scored tokens of partition p occupy sorted slots [p * lag, (p + 1) * lag) (sinks have no rank here)
             s = (pos_in_sorted - start).float() / self.lag
+            if self.tiebreak:  # newer wins among equal ranks: < half a rank step, so ranks never swap
+                s = s + (0.5 / self.lag) * rank.float() / n.clamp(min=1).float()
         out = torch.where(scored, s, torch.ones_like(s))
         out = torch.where(short & ~sink, ramp, out)
         return out.masked_fill(~valid, 0.0)
 
     def __repr__(self) -> str:
-        extra = ", cross_scoring=True" if self.cross_scoring else ""
+        extra = (", cross_scoring=True" if self.cross_scoring else "") + ("" if self.tiebreak else ", tiebreak=False")
         return f"LagKV(sinks={self.sinks}, lag={self.lag}{extra})"

@@ -8,14 +8,16 @@ from .reasoning import random_attention, rkv, vase
 from .hierarchy import memory_hierarchy, with_tier
 from .allocation import growpage, pyramid_rkv, reason_alloc, with_allocator
 from .reco import Reco, RewardAllocator, reco, reco_evict  # not in PRESETS: reco returns a bundle, not a pipeline
-from .ported import (NEEDS_MODEL, PORTED, cam, cap, compactor, criticalkv, cur, expected_attention, keydiff, lagkv,
-                     leverage, merging, noncausal_attention, with_merger)
+from .ported import (NEEDS_MODEL, NEEDS_PROFILE, PORTED, cam, cap, chunkkv, compactor, criticalkv, cur, duo_attention,
+                     expected_attention, keydiff, kvcompose_paper, lagkv, leverage, lukv, merging, noncausal_attention,
+                     with_merger)
 
 __all__ = ["full", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "rkv", "random_attention", "vase", "PRESETS",
            "memory_hierarchy", "with_tier", "pyramid_rkv", "reason_alloc", "growpage", "with_allocator",
            "reco", "Reco", "RewardAllocator", "reco_evict",
            "PORTED", "NEEDS_MODEL", "preset", "keydiff", "lagkv", "cur", "leverage", "noncausal_attention", "compactor",
-           "expected_attention", "cap", "criticalkv", "cam", "merging", "with_merger"]
+           "expected_attention", "cap", "criticalkv", "cam", "merging", "with_merger", "chunkkv", "kvcompose_paper",
+           "duo_attention", "lukv", "NEEDS_PROFILE"]
 
 PRESETS = {
     "full": full,

@@ -14,14 +14,20 @@ from ..blocks import (
     CAM, CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore, MergeSimilar, Merger,
     NonCausalAttention, OutputProjection, Rotary,
 )
-from .baselines import h2o
+from ..blocks.composite import AggregatedAttention, CompositeTokens
+from ..blocks.duo import DuoHeads
+from ..blocks.lukv import HeadCurves
+from ..protectors import ProtectRecent, ProtectSinks
+from ..scorers import Recency
+from ..selectors import BlockGranular
+from .baselines import h2o, snapkv
 from ..pipeline import Pipeline
 from ..scorers import Scorer
 from ..selectors import TopK
 from ..view import KVComposeError
 
 __all__ = ["keydiff", "lagkv", "cur", "leverage", "noncausal_attention", "compactor", "expected_attention", "cap",
-           "criticalkv", "with_merger", "cam", "merging", "PORTED", "NEEDS_MODEL"]
+           "criticalkv", "with_merger", "cam", "merging", "chunkkv", "kvcompose_paper", "duo_attention", "lukv", "PORTED", "NEEDS_MODEL", "NEEDS_PROFILE"]
 
 
 def _rope(model: Any, rope: Rotary | None, who: str) -> Rotary:
@@ -130,6 +136,59 @@ def merging(base: Pipeline | None = None, threshold: float = 0.0, fraction: floa
     return with_merger(base, MergeSimilar(threshold=threshold, fraction=fraction), name=f"merging({base!r})")
 
 
+def chunkkv(base: Pipeline | None = None, chunk: int = 20, model: Any = None) -> Pipeline:
+    """ChunkKV: whole chunks of 20 consecutive positions kept by their mean score summed over the KV heads (one
+    set of chunks per layer row), over `base` scoring (SnapKV's by default, as the paper)
+    (Liu et al., arXiv 2502.00299; kvpress's `ChunkKVPress`, `chunk_length=20`). This is `BlockGranular` over
+    TopK with `per_head=False`: chunks are kept while they fit in the budget (kvpress keeps
+    `int(chunks * (1 - ratio))` chunks, which can overshoot the target by up to one chunk)."""
+    base = base if base is not None else snapkv()
+    if not base.compresses or base.scorer is None:
+        raise KVComposeError(f"chunkkv needs a base pipeline with a scorer, got {base!r}")
+    return base.replace(BlockGranular(TopK(), block=chunk, reduce="mean", per_head=False),
+                        name=f"chunkkv({base!r}, chunk={chunk})")
+
+
+def kvcompose_paper(structured: bool = True, window: int = 32, task: str = "max", value_norm: bool = False,
+                    floor: int = 0, model: Any = None) -> Pipeline:
+    """KVCompose, the paper (Akulov et al., arXiv 2509.05165; kvpress's `KVComposePress`), not this library:
+    attention of the last `window` queries aggregated by max over queries and mean over the GQA group, plus the
+    mean over heads; every head's sorted tokens aligned into composite tokens, the same count per head
+    (`structured=True`, dense storage) or a per-head split of the layer's total by a global top-k
+    (`structured=False`, paged storage)."""
+    scorer = AggregatedAttention(window=window, task=task, value_norm=value_norm)  # type: ignore[arg-type]
+    return Pipeline(scorer, CompositeTokens(structured=structured, floor=floor),
+                    name=f"kvcompose_paper({'structured' if structured else 'unstructured'})")
+
+
+def duo_attention(profile: Any = None, streaming: float = 0.5, sinks: int = 4, retrieval: int | None = None,
+                  model: Any = None) -> Pipeline:
+    """DuoAttention: the `streaming` share of (layer, KV head) pairs with the lowest calibrated scores keep
+    `sinks` attention sinks plus the newest tokens (the cache's budget: `sinks + recent`); the others, retrieval
+    heads, keep everything (Xiao et al., arXiv 2410.10819; kvpress's `DuoAttentionPress`,
+    `head_compression_ratio=0.5`). `profile`: the JSON of `kvcompose calibrate --target duo` (or a `DuoHeads`
+    profile dict). Paged storage: streaming heads really free their memory."""
+    if profile is None:
+        raise KVComposeError("duo_attention needs a head profile: `kvcompose calibrate --target duo --out duo.json`, then "
+                             "duo_attention(profile='duo.json')")
+    return Pipeline(ProtectSinks(sinks), Recency(), TopK(), DuoHeads(profile, streaming=streaming, retrieval=retrieval),
+                    name=f"duo_attention(streaming={streaming:g}, sinks={sinks})")
+
+
+def lukv(curves: Any = None, base: Pipeline | None = None, sinks: int = 4, window: int = 1, model: Any = None) -> Pipeline:
+    """LU-KV: head-wise budgets from a budget curve (`HeadCurves`, the JSON of `kvcompose calibrate --target lukv`),
+    over `base` scoring (kvpress's default: ExpectedAttention with epsilon 0.02, which needs `model=`), with
+    `sinks` first and `window` newest tokens protected ("Predicting Future Utility", arXiv 2602.08585; kvpress's
+    `LUKVPress(ExpectedAttentionPress(epsilon=2e-2), sink=4, window=1)`)."""
+    if curves is None:
+        raise KVComposeError("lukv needs budget curves: `kvcompose calibrate --target lukv --out curves.json`, then "
+                             "lukv(curves='curves.json', model=model)")
+    if base is None:
+        base = Pipeline(ExpectedAttention(_rope(model, None, "lukv"), epsilon=2e-2), TopK())
+    prot = [*([ProtectSinks(sinks)] if sinks else []), *([ProtectRecent(window)] if window else [])]
+    return base.replace(*base.protectors, *prot, HeadCurves(curves, floor=max(1, sinks + window)), name=f"lukv({base!r})")
+
+
 PORTED = {
     "keydiff": keydiff,
     "lagkv": lagkv,
@@ -142,8 +201,15 @@ PORTED = {
     "criticalkv": criticalkv,
     "cam": cam,
     "merging": merging,
+    "chunkkv": chunkkv,
+    "kvcompose_paper": kvcompose_paper,
+    "duo_attention": duo_attention,
+    "lukv": lukv,
 }
 """Presets ported from kvpress, by name; every one takes `model=` (ignored where the rule does not need it)."""
 
-NEEDS_MODEL = frozenset({"leverage", "compactor", "expected_attention", "cap", "criticalkv"})
-"""The ported presets whose rule needs the model's data (`model=` is required)."""
+NEEDS_MODEL = frozenset({"leverage", "compactor", "expected_attention", "cap", "criticalkv", "lukv"})
+"""The ported presets whose rule needs the model's data (`model=` is required; `lukv` only for its default base)."""
+
+NEEDS_PROFILE = {"duo_attention": "profile", "lukv": "curves"}
+"""The ported presets that read a calibrated file (`kvcompose calibrate --target duo|lukv`), and its argument."""
