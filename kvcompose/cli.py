@@ -396,6 +396,13 @@ def main(argv: list[str] | None = None) -> int:
             for name, fn in PRESETS.items():
                 doc = (fn.__doc__ or "").strip().splitlines()[0]
                 print(f"{name:18} {make_pipeline(name, None)!r}\n{'':18} {doc}")
+            from .methods import NEEDS_MODEL, NEEDS_PROFILE, PORTED
+
+            print("\nported from kvpress (Python: methods.preset(name, model=...); docs/methods.md):")
+            for name, fn in PORTED.items():
+                doc = (fn.__doc__ or "").strip().splitlines()[0]
+                needs = [w for w, on in (("model=", name in NEEDS_MODEL), (f"{NEEDS_PROFILE.get(name)}=", name in NEEDS_PROFILE)) if on]
+                print(f"{name:18} {doc}{'  [needs ' + ', '.join(needs) + ']' if needs else ''}")
             return 0
     except KVComposeError as e:
         print(f"kvcompose: error: {e}", file=sys.stderr)

@@ -396,3 +396,37 @@ def test_lukv_matches_kvpress(model):
     kept = [sel.kept[0, h][sel.kept[0, h] >= 0].tolist() for h in range(H)]
     assert kept == [(~masked[0, h]).nonzero().flatten().tolist() for h in range(H)]
     assert len(kept[0]) != len(kept[1])  # really head-wise
+
+
+def test_adakv_matches_kvpress(model):
+    pre = Prefill(model, 64, layer=1, seed=9)
+    press = kvpress.AdaKVPress(press=kvpress.KnormPress(), alpha_safeguard=0.2)
+    press.compression_ratio = 0.5
+    with torch.no_grad():
+        pre.attn.config._attn_implementation = "sdpa"
+        press.compress(pre.attn, pre.hidden, pre.keys, pre.values, None, pre.kwargs)
+    masked = torch.zeros(1, H, 64, dtype=torch.bool)
+    masked[pre.attn.masked_key_indices] = True
+    del pre.attn.masked_key_indices
+    sel, _ = methods.adakv(Pipeline(KeyNorm(), TopK())).select(pre.view(), 32)
+    kept = [sel.kept[0, h][sel.kept[0, h] >= 0].tolist() for h in range(H)]
+    assert kept == [(~masked[0, h]).nonzero().flatten().tolist() for h in range(H)] and len(kept[0]) != len(kept[1])
+
+
+def test_observed_attention_matches_kvpress(model):
+    """ObservedAttentionPress (average attention over the queries that could see each token, at prefill) is
+    kvcompose's AccumulatedAttention(normalize=True) fed the same attention step."""
+    from kvcompose import AccumulatedAttention, AttentionStep
+
+    pre = Prefill(model, 48, seed=10)
+    t = 48
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    logits = torch.einsum("bhqd,bhtd->bhqt", pre.queries, pre.keys.repeat_interleave(HQ // H, dim=1)) * D**-0.5
+    attentions = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+    theirs = kvpress.ObservedAttentionPress().score(pre.attn, pre.hidden, pre.keys, pre.values, attentions, pre.kwargs)
+    acc = AccumulatedAttention(normalize=True)
+    view = pre.view()
+    step = AttentionStep(queries=pre.queries, keys=pre.keys, positions=view.positions, valid=view.valid,
+                         mask=causal.expand(1, H, t, t), scale=D**-0.5)
+    ours = acc.score(view, acc.observe(torch.zeros(1, H, t), step))
+    _close(ours, theirs)

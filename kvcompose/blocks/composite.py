@@ -89,7 +89,9 @@ class CompositeTokens(Selector):
       across the layer's heads (each head keeps at least `floor` tokens): head counts differ, so the layer lives
       in paged storage (`ragged = True`).
 
-    The same rule as kvpress's `KVComposePress` within one layer. kvpress also allocates *across layers* at
+    The same rule as kvpress's `KVComposePress` within one layer. The unstructured variant with a floor is also
+    AdaKV's rule (Feng et al., arXiv 2407.11550; kvpress's `AdaKVPress`: each head first keeps its top
+    `alpha_safeguard = 0.2` share of the budget, then a top-k over the layer's heads): `floor=0.2`. kvpress also allocates *across layers* at
     prefill (a global top-k over every layer's composite scores, the first layer at least the largest); kvcompose
     compresses a layer at a time during decoding, with the layer's budget from the allocator: pair it with a
     per-layer schedule (`Pyramid`, `ReasoningWave`, `HeadCurves`' layer totals) for a cross-layer split.
@@ -98,13 +100,15 @@ class CompositeTokens(Selector):
 
     Args:
         structured: composite (equal per-head counts) or unstructured (per-head counts from a global top-k).
-        floor: unstructured only: tokens every head keeps at least (kvpress's `keep_token_lower_bound`, 0; at
-            least 1 is always kept).
+        floor: unstructured only: tokens every head keeps at least, an int (kvpress KVCompose's
+            `keep_token_lower_bound`, 0; at least 1 is always kept) or a share of the head's budget (AdaKV's
+            `alpha_safeguard`, e.g. 0.2).
     """
 
-    def __init__(self, structured: bool = True, floor: int = 0):
-        if isinstance(floor, bool) or not isinstance(floor, int) or floor < 0:
-            raise KVComposeError(f"CompositeTokens: floor must be an int >= 0, got {floor!r}")
+    def __init__(self, structured: bool = True, floor: int | float = 0):
+        if (isinstance(floor, bool) or not isinstance(floor, (int, float)) or floor < 0
+                or (isinstance(floor, float) and floor > 1)):
+            raise KVComposeError(f"CompositeTokens: floor must be an int >= 0 or a share in [0, 1], got {floor!r}")
         self.structured, self.floor = bool(structured), floor
         self.ragged = not self.structured
 
@@ -121,7 +125,11 @@ class CompositeTokens(Selector):
             # like TopK, a head with fewer real tokens than its budget keeps padding slots too (dense rows stay equal)
             return budget.amin(-1, keepdim=True).expand(b, h).clamp(min=1, max=t)
         # unstructured: a global top-(total) over the row's (head, token) pairs, protected and floor first
-        lo = torch.minimum(torch.full_like(n_real, max(self.floor, 1)), n_real)
+        if isinstance(self.floor, float):
+            lo = (budget.double() * self.floor).long().clamp(min=1)
+        else:
+            lo = torch.full_like(n_real, max(self.floor, 1))
+        lo = torch.minimum(lo, n_real)
         rank = torch.sort(torch.sort(scores.masked_fill(~valid, float("-inf")), dim=-1, descending=True,
                                      stable=True).indices, dim=-1).indices
         key = torch.nan_to_num(scores.float(), nan=-3e38, posinf=3e38, neginf=-3e38).clamp(-1e30, 1e30)

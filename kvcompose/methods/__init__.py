@@ -8,7 +8,7 @@ from .reasoning import random_attention, rkv, vase
 from .hierarchy import memory_hierarchy, with_tier
 from .allocation import growpage, pyramid_rkv, reason_alloc, with_allocator
 from .reco import Reco, RewardAllocator, reco, reco_evict  # not in PRESETS: reco returns a bundle, not a pipeline
-from .ported import (NEEDS_MODEL, NEEDS_PROFILE, PORTED, cam, cap, chunkkv, compactor, criticalkv, cur, duo_attention,
+from .ported import (NEEDS_MODEL, NEEDS_PROFILE, PORTED, adakv, cam, cap, chunkkv, compactor, criticalkv, cur, duo_attention,
                      expected_attention, keydiff, kvcompose_paper, lagkv, leverage, lukv, merging, noncausal_attention,
                      with_merger)
 
@@ -17,7 +17,7 @@ __all__ = ["full", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "rkv", "ra
            "reco", "Reco", "RewardAllocator", "reco_evict",
            "PORTED", "NEEDS_MODEL", "preset", "keydiff", "lagkv", "cur", "leverage", "noncausal_attention", "compactor",
            "expected_attention", "cap", "criticalkv", "cam", "merging", "with_merger", "chunkkv", "kvcompose_paper",
-           "duo_attention", "lukv", "NEEDS_PROFILE"]
+           "duo_attention", "lukv", "NEEDS_PROFILE", "adakv"]
 
 PRESETS = {
     "full": full,

@@ -27,7 +27,7 @@ from ..selectors import TopK
 from ..view import KVComposeError
 
 __all__ = ["keydiff", "lagkv", "cur", "leverage", "noncausal_attention", "compactor", "expected_attention", "cap",
-           "criticalkv", "with_merger", "cam", "merging", "chunkkv", "kvcompose_paper", "duo_attention", "lukv", "PORTED", "NEEDS_MODEL", "NEEDS_PROFILE"]
+           "criticalkv", "with_merger", "cam", "merging", "chunkkv", "kvcompose_paper", "duo_attention", "lukv", "adakv", "PORTED", "NEEDS_MODEL", "NEEDS_PROFILE"]
 
 
 def _rope(model: Any, rope: Rotary | None, who: str) -> Rotary:
@@ -189,6 +189,17 @@ def lukv(curves: Any = None, base: Pipeline | None = None, sinks: int = 4, windo
     return base.replace(*base.protectors, *prot, HeadCurves(curves, floor=max(1, sinks + window)), name=f"lukv({base!r})")
 
 
+def adakv(base: Pipeline | None = None, alpha: float = 0.2, model: Any = None) -> Pipeline:
+    """AdaKV: every head first keeps its top `alpha` share of the budget, the rest of the layer's total goes to
+    the best (head, token) pairs over all heads (Feng et al., arXiv 2407.11550; kvpress's `AdaKVPress`,
+    `alpha_safeguard=0.2`), over `base` scoring (SnapKV's by default). `CompositeTokens(structured=False,
+    floor=alpha)`: paged storage, head counts differ."""
+    base = base if base is not None else snapkv()
+    if not base.compresses or base.scorer is None:
+        raise KVComposeError(f"adakv needs a base pipeline with a scorer, got {base!r}")
+    return base.replace(CompositeTokens(structured=False, floor=float(alpha)), name=f"adakv({base!r}, alpha={alpha:g})")
+
+
 PORTED = {
     "keydiff": keydiff,
     "lagkv": lagkv,
@@ -205,6 +216,7 @@ PORTED = {
     "kvcompose_paper": kvcompose_paper,
     "duo_attention": duo_attention,
     "lukv": lukv,
+    "adakv": adakv,
 }
 """Presets ported from kvpress, by name; every one takes `model=` (ignored where the rule does not need it)."""
 
