@@ -430,3 +430,19 @@ def test_observed_attention_matches_kvpress(model):
                          mask=causal.expand(1, H, t, t), scale=D**-0.5)
     ours = acc.score(view, acc.observe(torch.zeros(1, H, t), step))
     _close(ours, theirs)
+
+
+def test_tova_and_knorm_match_kvpress(model):
+    """The two presses kvcompose had before this port: TOVA (the newest query's attention averaged over every
+    query head; kvpress pads the newest token with its maximum) and Knorm."""
+    from kvcompose import LastQueryAttention
+
+    pre = Prefill(model, 48, seed=11)
+    view = pre.view()
+    _close(LastQueryAttention()(view), pre.press_scores(kvpress.TOVAPress()), _not_first(48, 0, last=1), tol=1e-6)
+    _close(KeyNorm()(view), pre.press_scores(kvpress.KnormPress()), tol=1e-7)
+    # kvpress always keeps the newest token (TOVA does not force it): kvcompose's TOVA with ProtectRecent(1)
+    from kvcompose import ProtectRecent
+
+    sel, _ = Pipeline(ProtectRecent(1), LastQueryAttention(), TopK()).select(view, 24)
+    assert [sel.kept[0, h].tolist() for h in range(H)] == pre.press_kept(kvpress.TOVAPress(), 0.5)

@@ -15,7 +15,7 @@ from torch import Tensor
 from ..scorers import Scorer
 from ..selectors import Selector, _kept_first, indices_from_priority, priority_order
 from ..view import KVComposeError, LayerView
-from ._util import group_mean, window_queries
+from ._util import window_queries
 
 __all__ = ["CompositeTokens", "AggregatedAttention"]
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..scorers import Scorer
 from ..view import KVComposeError, LayerView
-from ._util import group_mean, row_zscore, window_queries
+from ._util import row_zscore, window_queries
 
 __all__ = ["NonCausalAttention", "chunked_attention"]
 
