@@ -49,8 +49,8 @@ class ExpectedAttention(Scorer):
     prompt). During decoding kvcompose's rule is the paper's: the future positions start at the tokens seen
     and the queries are the last `window` decoded ones, de-rotated at their own positions. kvpress's
     DecodingPress instead counts the future positions from the length of its hidden-state buffer (not from
-    the sequence position: its rotation average is off by the prompt length) and drops the first 4 queries of
-    that buffer as if they were sinks.
+    the sequence position: its rotation average is off by every token before that buffer) and drops the
+    first 4 queries of that buffer as if they were sinks.
 
     Args:
         rope: the model's rotary embedding (`Rotary.from_model(model)`): the rule needs pre-RoPE queries.
