@@ -18,6 +18,11 @@ Variants (`--variants`):
                  heads keep the same blocks, one block table per layer as in vLLM)
     head-max     BlockGranular(..., reduce="max", per_head=True)
     layer-max    BlockGranular(..., reduce="max", per_head=False)
+    request-mean one block set for every layer and KV head of the request (`kvcompose.paged_blocks`:
+                 `request_pipeline`, `RequestEvent`; VaSE's protection by `VotingValueProtect`)
+
+The blocks (`BlockProtectValueNorm`, `RequestBlocks`, `VotingValueProtect`, `RequestEvent`) live in
+`kvcompose.paged_blocks`; this script only runs and tabulates them.
 
 Besides fidelity, every compression event's kept tokens per (row, KV head) are recorded (the pipeline's
 `Selection.kept`, wrapped), so the table also says how many tokens each variant really holds after an event
@@ -49,14 +54,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvcompose import BlockGranular, KVComposeCache, KVComposeError, ProtectValueNorm  # noqa: E402
+from kvcompose import KVComposeCache, KVComposeError  # noqa: E402
 from kvcompose.bench.data import default_data_path, load_questions  # noqa: E402
 from kvcompose.bench.fidelity import evaluate_trace  # noqa: E402
 from kvcompose.bench.run import load_model, make_pipeline, select_questions, versions  # noqa: E402
 from kvcompose.bench.traces import RepetitionGuard, Trace, make_traces  # noqa: E402
-from kvcompose.kernels import value_magnitude  # noqa: E402
+from kvcompose.paged_blocks import RequestEvent, block_granular, request_pipeline  # noqa: E402
 from kvcompose.pipeline import Pipeline  # noqa: E402
-from kvcompose.view import LayerView  # noqa: E402
 
 METHODS = ["h2o", "snapkv", "tova", "rkv", "vase", "random_attention"]
 # "vase-tokenprot": VaSE wrapped as it is (its budget/4 value-protected tokens, scattered, each protect their
@@ -79,198 +83,11 @@ LABELS = {"token": "token", "head-mean": "block/head", "layer-mean": "block/laye
           "layer-sync": "block/layer (event check)"}
 
 
-class BlockProtectValueNorm(ProtectValueNorm):
-    """VaSE's value protection by whole blocks: the `k // block` blocks (`position // block`) holding the
-    largest value range (max over the block's eligible tokens; the first `sinks` tokens count as infinite)
-    are protected, all their tokens, so protection stays within VaSE's `k` tokens (budget/4) at block
-    granularity. With `per_head=False` a block's value is its max over the KV heads (one block set per layer
-    row). Used by this benchmark for the block-granular rows of VaSE (Chang et al., terarachang/VaSE;
-    plain `ProtectValueNorm` inside `BlockGranular` would protect up to `k` scattered blocks).
-
-    `protect(view [B,H,T], budget, room) -> Bool[B,H,T]`."""
-
-    def __init__(self, base: ProtectValueNorm, block: int = 16, per_head: bool = True):
-        super().__init__(base.k, base.kind, base.sinks, base.exclude_recent)
-        self.block, self.per_head = block, per_head
-
-    def protect(self, view: LayerView, budget: int, room: int):
-        mag = value_magnitude(view.values, self.kind)  # [B, H, T]
-        valid = view.valid
-        rank = torch.argsort(torch.argsort(view.positions.masked_fill(~valid, 2**62), dim=-1), dim=-1)
-        mag = mag.masked_fill((rank < self.sinks) & valid, float("inf"))
-        eligible = valid
-        if self.exclude_recent:
-            eligible = eligible & (view.positions < view.seen - self.exclude_recent)
-        n_blocks = self.max_count(budget) // self.block
-        if n_blocks <= 0 or not bool(eligible.any()):
-            return torch.zeros_like(valid)
-        blk = torch.where(valid, view.positions // self.block, torch.zeros_like(view.positions))  # [B, H, T]
-        nb = int(blk.max()) + 1
-        val = torch.full((*blk.shape[:2], nb), float("-inf"), device=mag.device).scatter_reduce_(
-            -1, blk, mag.masked_fill(~eligible, float("-inf")), "amax")  # [B, H, NB]
-        if not self.per_head:
-            val = val.amax(1, keepdim=True).expand_as(val)
-        k = min(n_blocks, nb)
-        top = val.topk(k, dim=-1)
-        chosen = torch.zeros_like(val, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
-        return chosen.gather(-1, blk) & valid
-
-
-class RequestEvent:
-    """A compression event over all layers at once, after the forward call that ends an interval, choosing
-    ONE set of blocks for every layer and KV head of a row: what a paged engine with one block table per
-    request (vLLM v1 without changes) can do. It runs in two passes over the layers: "record" runs each
-    layer's pipeline (scorer, protectors, the selector's priority) on its current view and keeps the token
-    priorities; the blocks are then ranked by their priority averaged over tokens, KV heads and layers
-    (protected blocks first; a block is protected if any layer protects it), and kept from best to worst
-    while they fit in the budget; "apply" compacts every layer to exactly those blocks
-    (`ComposeLayer.compress`). The cache's own schedule is switched off (its interval is made huge) and this
-    event is run by a forward hook at every `interval` decoded tokens, like the per-layer events it replaces
-    (those also run after the chunk's attention). `scope="layer"` runs the same machinery with the ordinary
-    per-layer decision (the wrapped `BlockGranular`, per layer row): it must reproduce the "layer-mean"
-    variant exactly, which checks the harness.
-
-    VaSE's value protection (`VotingValueProtect`) is decided request-wide too: each layer's protector votes
-    for its `k // block` blocks and the `k // block` blocks with most votes are protected."""
-
-    def __init__(self, pipe: Pipeline, selector: "RequestBlocks", budget: int, interval: int, block: int,
-                 scope: str = "request"):
-        self.pipe, self.selector, self.budget, self.interval, self.block, self.scope = (
-            pipe, selector, budget, interval, block, scope)
-        self.mode: str | None = None
-        self.cache = None
-        self.records: list[tuple] = []
-        self.votes: list[torch.Tensor] = []
-        self.vote_blocks = 0
-        self.chosen: torch.Tensor | None = None
-        self.events = 0
-
-    def hook(self, module, args, kwargs, output) -> None:
-        cache = kwargs.get("past_key_values")
-        if cache is None or cache is not self.cache:
-            return
-        l0 = cache.layers[0]
-        decoded = l0.seen - l0.prompt_length
-        if decoded <= 0 or decoded % self.interval:
-            return
-        if all(int(layer.lengths.max()) <= self.budget for layer in cache.layers):
-            return
-        self.run(cache)
-
-    def run(self, cache) -> None:
-        layers = cache.layers
-        self.events += 1
-        try:
-            if self.scope == "layer":
-                self.mode = "layer"
-                for layer in layers:
-                    layer.compress(budget=self.budget)
-                return
-            self.mode, self.records, self.votes = "record", [], []
-            for layer in layers:
-                view, channels, _ = layer.view()
-                self.pipe.select(view, self.budget, layer.write_segment().blocks, channels)
-            self.chosen = self.decide()
-            self.mode = "apply"
-            for layer in layers:
-                layer.compress(budget=self.budget)
-        finally:
-            self.mode = None
-
-    def decide(self) -> torch.Tensor:
-        """`[B, NB]` blocks kept in every layer and head (see the class docstring)."""
-        nb = 1 + max(int(torch.where(v, p // self.block, torch.zeros_like(p)).max()) for _, _, v, p in self.records)
-        total = None
-        present = None
-        prot = None
-        size = None
-        for raw, protected, valid, positions in self.records:
-            b, h, t = valid.shape
-            blk = torch.where(valid, positions // self.block, torch.zeros_like(positions))
-            ok = valid.float()
-            cnt = torch.zeros(b, h, nb).scatter_add_(-1, blk, ok)
-            sm = torch.zeros(b, h, nb).scatter_add_(-1, blk, raw.clamp(-1e30, 1e30) * ok)
-            real = cnt > 0
-            head_mean = sm / cnt.clamp(min=1)
-            layer_val = torch.where(real, head_mean, torch.zeros_like(head_mean)).sum(1) / real.float().sum(1).clamp(min=1)
-            layer_real = real.any(1)
-            p = torch.zeros(b, h, nb).scatter_add_(-1, blk, (protected & valid).float()).gt(0).any(1)
-            total = layer_val * layer_real if total is None else total + layer_val * layer_real
-            present = layer_real.float() if present is None else present + layer_real.float()
-            prot = p if prot is None else prot | p
-            size = cnt.amax(1) if size is None else torch.maximum(size, cnt.amax(1))
-        if self.votes:  # VaSE: the blocks most layers would protect by value range
-            votes = torch.stack(self.votes).sum(0)[..., :nb]  # [B, NB]
-            k = min(self.vote_blocks, nb)
-            if k > 0:
-                top = votes.topk(k, dim=-1)
-                prot = prot | torch.zeros_like(prot).scatter_(-1, top.indices, top.values > 0)
-        real = present > 0
-        val = total / present.clamp(min=1)
-        key = torch.where(prot & real, torch.full_like(val, 3e38), val)
-        key = torch.where(real, key, torch.full_like(val, -3.4e38))
-        order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-        room = self.budget - torch.cumsum(size.gather(-1, order), -1)
-        take = ((room >= 0) | prot.gather(-1, order)) & real.gather(-1, order)
-        return torch.zeros_like(real).scatter_(-1, order, take)
-
-
-class RequestBlocks(BlockGranular):
-    """The selector of `RequestEvent` (one block set per request): records priorities, then keeps the chosen
-    blocks; with `scope="layer"` it is `BlockGranular(inner, block, "mean", per_head=False)`."""
-
-    def __init__(self, inner, block: int, event: RequestEvent | None = None):
-        super().__init__(inner, block=block, reduce="mean", per_head=False)
-        self.event = event
-
-    def __call__(self, scores, protected, valid, budget, generator=None, need_order=False, positions=None):
-        ev = self.event
-        mode = None if ev is None else ev.mode
-        if mode == "layer":
-            return super().__call__(scores, protected, valid, budget, generator, need_order, positions)
-        if mode not in ("record", "apply") or need_order:
-            raise KVComposeError("RequestBlocks runs only inside a RequestEvent, with an evicting tier")
-        b, h, t = valid.shape
-        if mode == "record":
-            raw = torch.nan_to_num(self.priority(scores, valid, generator).float(), nan=-3e38, posinf=3e38,
-                                   neginf=-3e38)
-            ev.records.append((raw, protected, valid, positions))
-            keep = valid
-        else:
-            blk = torch.where(valid, positions // self.block, torch.zeros_like(positions))
-            nb = ev.chosen.shape[-1]
-            keep = valid & (blk < nb) & ev.chosen[:, None, :].expand(b, h, nb).gather(-1, blk.clamp(max=nb - 1))
-        kmax = int(keep.sum(-1).max()) if keep.numel() else 0
-        idx = torch.where(keep, torch.arange(t, device=valid.device).expand(b, h, t), torch.full((b, h, t), t))
-        kept = idx.sort(-1).values[..., :kmax]
-        return torch.where(kept >= t, torch.full_like(kept, -1), kept), None
-
-
-class VotingValueProtect(BlockProtectValueNorm):
-    """VaSE's block value protection inside a `RequestEvent`: in the record pass each layer's blocks are a
-    vote (nothing is protected per layer); the event protects the blocks with most votes."""
-
-    def __init__(self, base: ProtectValueNorm, block: int, event: RequestEvent):
-        super().__init__(base, block, per_head=False)
-        self.event = event
-
-    def protect(self, view: LayerView, budget: int, room: int):
-        ev = self.event
-        if ev.mode == "record":
-            mask = super().protect(view, budget, room)  # [B, H, T], the same blocks in every head
-            blk = torch.where(view.valid, view.positions // self.block, torch.zeros_like(view.positions))
-            nb = int(blk.max()) + 1 + 4096 // self.block  # room for the blocks of later tokens
-            vote = torch.zeros(blk.shape[0], nb).scatter_reduce_(-1, blk[:, 0], mask[:, 0].float(), "amax")
-            ev.votes.append(vote)
-            ev.vote_blocks = self.max_count(budget) // self.block
-        return torch.zeros_like(view.valid)
-
-
 def build_pipeline(method: str, budget: int, variant: str, block: int) -> Pipeline:
     """The preset at the fidelity bench's settings (`make_pipeline`), token-granular or wrapped in
-    `BlockGranular(selector, block, reduce, per_head)`; the preset's own interval is kept. For "vase" the
-    block variants also protect by blocks (`BlockProtectValueNorm`); "vase-tokenprot" keeps VaSE's token
-    protector inside the block selector."""
+    `BlockGranular` for a block variant (`kvcompose.paged_blocks.block_granular`). VaSE's block variants
+    also protect by blocks (`BlockProtectValueNorm`); "vase-tokenprot" keeps VaSE's token protector inside
+    the block selector."""
     if variant not in VARIANTS:
         raise KVComposeError(f"unknown variant {variant!r}; variants: {', '.join(VARIANTS)}")
     base = make_pipeline("vase" if method == "vase-tokenprot" else method, budget)
@@ -280,28 +97,16 @@ def build_pipeline(method: str, budget: int, variant: str, block: int) -> Pipeli
     reduce, per_head = spec
     if per_head in ("request", "layer"):
         raise KVComposeError("the request-wide variant is built by build_request_pipeline")
-    blocks: list = [BlockGranular(base.selector, block=block, reduce=reduce, per_head=per_head)]
-    if method == "vase":
-        blocks += [BlockProtectValueNorm(p, block, per_head) if isinstance(p, ProtectValueNorm) else p
-                   for p in base.protectors]
-    return base.replace(*blocks)
+    return block_granular(base, block, reduce, per_head, block_protection=method == "vase")
 
 
 def build_request_pipeline(method: str, budget: int, block: int, scope: str = "request",
                            interval: int | None = None) -> tuple[Pipeline, RequestEvent]:
-    """(pipeline, event) of the request-wide variant (`RequestEvent`); `scope="layer"` is the harness check.
-    `interval`: decoded tokens between events (default the preset's, else 64, as `KVComposeCache`)."""
+    """(pipeline, event) of the request-wide variant (`kvcompose.paged_blocks.request_pipeline`);
+    `scope="layer"` is the harness check. `interval`: decoded tokens between events (default the preset's,
+    else 64, as `KVComposeCache`)."""
     base = make_pipeline("vase" if method == "vase-tokenprot" else method, budget)
-    interval = interval or base.interval or 64
-    event = RequestEvent(None, None, budget, interval, block, scope)  # type: ignore[arg-type]
-    sel = RequestBlocks(base.selector, block, event)
-    blocks: list = [sel]
-    if method == "vase":
-        blocks += [(VotingValueProtect(p, block, event) if scope == "request" else BlockProtectValueNorm(p, block, False))
-                   if isinstance(p, ProtectValueNorm) else p for p in base.protectors]
-    pipe = base.replace(*blocks, interval=interval * 10**6)  # the cache's own schedule never fires
-    event.pipe, event.selector = pipe, sel
-    return pipe, event
+    return request_pipeline(base, budget, block, scope, interval, block_protection=method == "vase")
 
 
 class KeptRecorder:
@@ -673,12 +478,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 pipe, event = build_request_pipeline(m, b, args.block, VARIANTS[v][1], args.interval)
                 recorder = KeptRecorder(pipe, skip=lambda: event.mode == "record", max_seen=max_seen)
                 cache = KVComposeCache(model, pipe, budget=b, seed=args.seed)
-                event.cache = cache
-                handle = model.register_forward_hook(event.hook, with_kwargs=True)
-                try:
+                with event.attached(model, cache):
                     score = evaluate_trace(model, tr, cache, chunk=event.interval)
-                finally:
-                    handle.remove()
                 interval = event.interval
             else:
                 pipe = build_pipeline(m, b, v, args.block)

@@ -1,9 +1,12 @@
-"""Per-step cost of the vLLM prototype's worker-side work: `compact_block_table` on a `[requests, blocks]`
-table, without freed blocks (a step with nothing to do) and with half of each row freed.
+"""What kvcompose's vLLM worker adds, measured without vLLM on a synthetic paged cache of SmolLM2-135M's shape
+(30 layers, 3 KV heads, 9 query heads, head dim 64, float32, blocks of 32): the cost of one compression event
+(`Runtime.compress`: a `LayerView` per layer, `Pipeline.select`, the kept tokens packed in place) per preset
+and budget, and of one step's plan (`Runtime.plan`: physical positions, lengths and ring indices) for a batch.
 
     python benchmarks/vllm_compaction_cost.py
 
-No vLLM needed. One thread; the median of `--repeats` timings of `--calls` calls each.
+One torch thread; the median of `--repeats` timings. Per decoded token, an event costs its time divided by
+the interval (every request compresses once per `interval` tokens).
 """
 
 from __future__ import annotations
@@ -15,37 +18,65 @@ import time
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="+", default=["1x64", "8x64", "64x256"], help="REQUESTSxBLOCKS")
-    ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--presets", nargs="+", default=["streaming_llm", "random_attention", "rkv", "vase", "snapkv",
+                                                      "tova", "knorm"])
+    ap.add_argument("--budgets", nargs="+", type=int, default=[256, 512])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=64, help="requests in a planned step")
     args = ap.parse_args(argv)
 
     import torch
 
-    from kvcompose.integrations.vllm import compact_block_table
+    from kvcompose import methods
+    from kvcompose.integrations.vllm.rules import Settings
+    from kvcompose.integrations.vllm.runtime import PagedLayout, Runtime
 
     torch.set_num_threads(1)
+    L, H, Hq, D, bs = 30, 3, 9, 64, 32
     rows = []
-    for shape in args.shapes:
-        R, M = (int(x) for x in shape.split("x"))
-        g = torch.Generator().manual_seed(0)
-        table = torch.randint(1, 1_000_000, (R, M), dtype=torch.int32, generator=g)
-        lens = torch.full((R,), M * args.block_size - 5, dtype=torch.int32)
-        holes = table.clone()
-        holes[:, 1: M // 2] = 0
-        for name, t in (("no freed blocks", table), ("half the blocks freed", holes)):
-            for _ in range(10):
-                compact_block_table(t, lens, args.block_size)
+    for budget in args.budgets:
+        for name in args.presets:
+            pipe = methods.PRESETS[name]()
+            interval = pipe.interval or 64
+            held = budget + interval
+            nb = held // bs + 2
+            kv = [torch.randn(nb, H, bs, 2 * D) for _ in range(L)]
+            rt = Runtime(num_layers=L, num_kv_heads=H, num_q_heads=Hq, head_dim=D, block_size=bs, device="cpu",
+                         dtype=torch.float32, scales=[D ** -0.5] * L, max_seqs=4, query_window=64,
+                         layout=PagedLayout("FLASH_ATTN", D, bs))
+            rt._ensure_ring()
             times = []
-            for _ in range(args.repeats):
+            for r in range(args.repeats + 1):
+                st = rt.add(f"r{r}", Settings(pipe, budget, interval, 0), 100)
+                st.slot, st.ring_n, st.ring_head = 0, 64, 0
+                st.held, st.last = held, 100 + held
+                c = st.last
                 t0 = time.perf_counter()
-                for _ in range(args.calls):
-                    compact_block_table(t, lens, args.block_size)
-                times.append((time.perf_counter() - t0) / args.calls)
-            us = 1e6 * statistics.median(times)
-            rows.append({"requests": R, "blocks": M, "case": name, "us_per_call": us})
-            print(f"{R:4d} requests x {M:4d} blocks, {name:22s}: {us:7.1f} us")
+                rt.compress(f"r{r}", st, c, list(range(1, nb)), kv)
+                if r:
+                    times.append(time.perf_counter() - t0)
+            ms = 1e3 * statistics.median(times)
+            rows.append({"preset": name, "budget": budget, "interval": interval, "held": held, "ms_per_event": ms,
+                         "us_per_token": 1e3 * ms / interval})
+            print(f"{name:17s} budget {budget:4d} (held {held:4d}, interval {interval:3d}): {ms:7.1f} ms per event "
+                  f"= {1e3 * ms / interval:6.1f} us per decoded token", flush=True)
+    # one step's plan for a batch of compressed requests decoding one token each
+    rt = Runtime(num_layers=L, num_kv_heads=H, num_q_heads=Hq, head_dim=D, block_size=bs, device="cpu",
+                 dtype=torch.float32, scales=[D ** -0.5] * L, max_seqs=args.batch, query_window=64,
+                 layout=PagedLayout("FLASH_ATTN", D, bs))
+    batch = []
+    for i in range(args.batch):
+        st = rt.add(f"b{i}", Settings(methods.rkv(), 256, 128, 0), 100)
+        st.held, st.last = 300, 600
+        batch.append((f"b{i}", 600, 1))
+    times = []
+    for _ in range(args.repeats * 20):
+        t0 = time.perf_counter()
+        rt.plan(batch)
+        times.append(time.perf_counter() - t0)
+    us = 1e6 * statistics.median(times)
+    rows.append({"plan_requests": args.batch, "us_per_step": us})
+    print(f"plan of a {args.batch}-request decode step (ring recording included): {us:.0f} us", flush=True)
     return rows
 
 

@@ -1,11 +1,12 @@
 """Greedy decoding speed of SmolLM2-135M on vLLM (CPU) against `generate()`, and answer agreement of a
-kvcompose block policy run inside vLLM against vLLM's full cache.
+kvcompose pipeline run inside vLLM against vLLM's full cache.
 
 Three engines, one prompt set (GSM8K questions with the chat template, the same token ids everywhere):
 
 * `--engine vllm`: vLLM's LLM with its full paged cache, `--batch` requests submitted together.
-* `--engine vllm --policy streaming|random --budget B`: the same, with kvcompose's block policy
-  (`kvcompose.integrations.vllm`, a prototype) freeing whole blocks of each running request.
+* `--engine vllm --preset NAME --budget B`: the same, with a kvcompose preset (`kvcompose.methods.PRESETS`)
+  run per layer and KV head inside vLLM (`kvcompose.integrations.vllm`). Memory pressure is measured by
+  `benchmarks/vllm_pressure.py`.
 * `--engine hf`: transformers `generate()` in float32 with the full `DynamicCache`, one request at a time.
 
 Tokens/s = generated tokens / wall time of the generate call (prefill included; one warm-up call of 8
@@ -18,7 +19,7 @@ Examples (from the repo root; `.venv-vllm` and the model folder as in docs/servi
         --batch 8 --new-tokens 1024 --out runs/vllm_full_b8.json
     .venv/bin/python benchmarks/vllm_throughput.py --engine hf --batch 1 --new-tokens 1024 --out runs/hf_b1.json
     .venv-vllm/bin/python benchmarks/vllm_throughput.py --engine vllm --model .venv-vllm/smollm2-bf16 \\
-        --batch 8 --policy streaming --budget 256 --out runs/vllm_stream256_b8.json
+        --batch 8 --preset streaming_llm --budget 256 --out runs/vllm_stream256_b8.json
     python benchmarks/vllm_throughput.py --compare runs/vllm_full_b8.json runs/vllm_stream256_b8.json
 
 Questions come from `--data FILE.jsonl` or `$KVCOMPOSE_GSM8K` (GSM8K's test.jsonl format).
@@ -87,7 +88,7 @@ def _versions() -> dict[str, str]:
 
 
 def run_vllm(args, prompts: list[list[int]]) -> dict[str, Any]:
-    """vLLM with the full paged cache, or with a kvcompose block policy (`args.policy`)."""
+    """vLLM with the full paged cache, or with a kvcompose preset (`args.preset`)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -98,11 +99,12 @@ def run_vllm(args, prompts: list[list[int]]) -> dict[str, Any]:
     )
     if args.block_size is not None:
         kwargs["block_size"] = args.block_size
-    if args.policy != "full":
+    if args.preset != "none":
         from kvcompose.integrations.vllm import engine_kwargs
 
-        kwargs.update(engine_kwargs(policy=args.policy, budget=args.budget, block_size=args.block_size or 32,
-                                    interval=args.interval, seed=args.seed, log_file=args.event_log))
+        kwargs.update(engine_kwargs(args.preset, budget=args.budget if args.preset != "full" else None,
+                                    block_size=args.block_size or 32, interval=args.interval, seed=args.seed,
+                                    log_file=args.event_log))
     llm = LLM(**kwargs)
     sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=not args.stop_at_eos)
     llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], SamplingParams(temperature=0.0, max_tokens=8),
@@ -200,14 +202,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batch", type=int, default=1, help="number of prompts, submitted together to vLLM")
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--stop-at-eos", action="store_true", help="stop at <|im_end|> (default: always decode --new-tokens)")
-    ap.add_argument("--policy", default="full", choices=["full", "streaming", "random"])
-    ap.add_argument("--budget", type=int, default=256, help="tokens held per request (multiple of --block-size)")
-    ap.add_argument("--interval", type=int, default=None, help="tokens between compression events (default: one block)")
+    ap.add_argument("--preset", default="none",
+                    help="kvcompose preset run inside vLLM ('none': plain vLLM; 'full': kvcompose's worker, no compression)")
+    ap.add_argument("--budget", type=int, default=256, help="tokens per layer and KV head (multiple of --block-size)")
+    ap.add_argument("--interval", type=int, default=None, help="tokens between compression events (default: the preset's)")
     ap.add_argument("--block-size", type=int, default=None,
-                    help="vLLM block size (CPU: multiples of 32; default vLLM's, 128 on CPU; 32 with --policy)")
+                    help="vLLM block size (CPU: multiples of 32; default vLLM's, 128 on CPU; 32 with --preset)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--mem-util", type=float, default=0.2, help="vLLM CPU memory fraction (see VLLM_CPU_KVCACHE_SPACE)")
-    ap.add_argument("--event-log", default=None, help="JSONL of the policy's compression events (prototype)")
+    ap.add_argument("--event-log", default=None, help="JSONL of the scheduler's compression events")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--compare", nargs=2, metavar=("REFERENCE", "RUN"), default=None)
@@ -235,12 +238,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gen = sum(len(t) for t in res["token_ids"])
     res.update({
         "command": " ".join(["python", "benchmarks/vllm_throughput.py"] + (argv if argv is not None else sys.argv[1:])),
-        "engine": args.engine, "policy": args.policy, "budget": args.budget if args.policy != "full" else None,
+        "engine": args.engine, "preset": args.preset, "budget": args.budget if args.preset not in ("none", "full") else None,
         "batch": args.batch, "new_tokens": args.new_tokens, "prompt_tokens": [len(p) for p in prompts],
         "generated_tokens": gen, "tokens_per_s": gen / res["seconds"], "versions": _versions(),
         "loadavg_after": os.getloadavg(), "nproc": os.cpu_count(), "ids": [q["id"] for q in qs],
     })
-    print(json.dumps({k: res[k] for k in ("engine", "policy", "budget", "batch", "generated_tokens", "seconds",
+    print(json.dumps({k: res[k] for k in ("engine", "preset", "budget", "batch", "generated_tokens", "seconds",
                                            "tokens_per_s", "loadavg_after")}, indent=1))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -1,4 +1,5 @@
-"""kvcompose's hook into transformers: a scoped attention function, its mask function, and the exact math.
+"""kvcompose's hook into transformers: a scoped attention function and its mask function (the exact math is
+`kvcompose.attention_math`, re-exported here).
 
 Transformers builds one attention mask from the first full-attention layer and shares it across layers;
 with compression every layer (and head) holds a different set of tokens, so that mask is wrong for a
@@ -14,13 +15,15 @@ is patched, and the switch is **scoped**:
   use kvcompose), and `restore(model)` puts it back; it is also put back automatically when the last cache
   that installed it is garbage-collected (`install(model, owner=cache)`).
 - **Mask.** The mask interface is chosen by the same `_attn_implementation` string, and transformers does
-  not pass the cache to it (checked on 5.2, 5.23 and 5.24). `kvcompose_mask` therefore looks at the caller
-  (`create_causal_mask` & co., whose argument is named `past_key_values` up to 5.23 and `cache` from 5.24):
-  with a kvcompose cache it returns the 2-D padding mask (`[B, seen + new]`, True = real token) unchanged;
-  otherwise it returns exactly what the previous implementation's mask function returns (`sdpa_mask`,
-  `eager_mask`, `flash_attention_mask` (None or 2-D), `flex_attention_mask`, or None for an
-  implementation with no mask function). It takes any keyword arguments, so it serves transformers 5.2
-  (`cache_position=`) and 5.23+ (`q_length=`, `q_offset=`) alike.
+  not pass the cache to it (checked on 5.2 and 5.23). But transformers' mask builders (`create_causal_mask`
+  & co.) ask the cache for the mask sizes (`get_mask_sizes`) right before they call the mask function, in
+  the same thread: a kvcompose cache's `get_mask_sizes` therefore notes in the hook state that the next
+  mask call is its own (`expect_mask`), with the sizes it returned. `kvcompose_mask` consumes that note:
+  if it is there and the call's `kv_length` / `kv_offset` match, it returns the 2-D padding mask
+  (`[B, seen + new]`, True = real token) unchanged; otherwise it returns exactly what the previous
+  implementation's mask function returns (`sdpa_mask`, `eager_mask`, `flash_attention_mask` (None or 2-D),
+  `flex_attention_mask`, or None for an implementation with no mask function). It takes any keyword
+  arguments, so it serves transformers 5.2 (`cache_position=`) and 5.23 (`q_length=`, `q_offset=`) alike.
 - **Hand-off ("the cache knows whether its attention ran").** A kvcompose layer's `update` calls
   `hand_off(layer, keys, values)` and returns those same tensors; the model passes them straight to the
   attention function, which recognises them by identity and calls
@@ -28,7 +31,15 @@ is patched, and the switch is **scoped**:
   does not consume a hand-off (the model's implementation was changed after the cache was built, or the
   cache was passed to another model), the next `hand_off` of that cache raises `KVComposeError` naming the
   layer, instead of letting the cache grow without ever compressing. `check_consumed(cache)` does the same
-  check on demand (e.g. after a forward).
+  check on demand (e.g. after a forward). The verdict is kept on the cache itself (`kvcompose_missed`).
+- **State.** Both notes live in one small object, `HookState` (`hook_state()`, one per thread: a forward runs
+  in one thread, and two threads may decode with two caches): the pending hand-off (weak references to the
+  layer and its cache, and the keys/values it returned) and the pending mask note. Nothing else is global
+  but the registry of previous implementations per config (`install` / `restore`).
+- **Delegation.** A call without a kvcompose hand-off goes to the previous implementation with the
+  arguments transformers gave. Flash-attention style integrations (and hub kernels) read the
+  implementation's name from the config during the call; for them (not for sdpa, eager or flex) the
+  config's name is the previous one for the duration of the call, the one rewrite that cannot be avoided.
 - **Features.** The attention function honours scaling (`scaling`: Gemma's `query_pre_attn_scalar`,
   Granite's `attention_multiplier`), sliding windows (`sliding_window`), logit soft-capping (`softcap`,
   Gemma2) and attention sinks (`s_aux`, gpt-oss); `attend` computes soft-capping and sinks exactly as those
@@ -46,18 +57,16 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
-import torch
-import torch.nn.functional as F
-from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from .attention_math import attend, attention_probs, build_mask  # re-exported: the math lives there
 from .compat import ASSISTED_MESSAGE, SUPPORTED_FEATURES, in_assisted_generation, no_trace
 from .view import KVComposeError
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "register", "install", "release", "restore", "is_installed", "previous_implementation",
-    "hand_off", "check_consumed", "attend", "attention_probs", "build_mask", "kvcompose_attention",
-    "kvcompose_mask", "is_kvcompose_cache", "SUPPORTED_FEATURES",
+    "hand_off", "check_consumed", "expect_mask", "hook_state", "HookState", "attend", "attention_probs",
+    "build_mask", "kvcompose_attention", "kvcompose_mask", "is_kvcompose_cache", "SUPPORTED_FEATURES",
 ]
 
 ATTN_IMPLEMENTATION = "kvcompose"
@@ -73,116 +82,7 @@ _IGNORED_KWARGS = frozenset({
 })
 _KNOWN_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal", "output_attentions"})
 _unknown_kwargs: dict[frozenset, list[str]] = {}  # argument names seen -> the unknown ones (checked once)
-_CACHE_LOCALS = ("past_key_values", "cache")  # the cache argument's name in transformers' mask builders
-
-
-# ------------------------------------------------------------------------------------------------------
-# the math
-# ------------------------------------------------------------------------------------------------------
-def build_mask(
-    key_pos: Int[Tensor, "B H T"],
-    key_valid: Bool[Tensor, "B H T"],
-    query_pos: Int[Tensor, " Q"],
-    sliding_window: int | None = None,
-) -> Bool[Tensor, "B H Q T"]:
-    """Causal mask over held tokens by their original positions (True = attend).
-
-    A sliding window keeps keys with `query_pos - key_pos < sliding_window`, the rule of transformers'
-    `sliding_window_overlay` (5.2 to 5.24). A query always sees its own key, so a padding query never gets
-    an empty (NaN) row.
-    """
-    kp = key_pos[:, :, None, :]
-    qp = query_pos[None, None, :, None]
-    mask = (kp <= qp) & key_valid[:, :, None, :]
-    if sliding_window is not None:
-        mask &= kp > qp - sliding_window
-    return mask | (kp == qp)
-
-
-def _fold(query: Tensor, mask: Tensor | None, h: int) -> tuple[Tensor, Tensor | None]:
-    """Fold the G query heads of each KV head into the query axis: `[B, H, G*Q, D]` and `[B, H, G*Q, T]`."""
-    b, hq, q, d = query.shape
-    g = hq // h
-    qg = query.reshape(b, h, g * q, d)
-    if mask is None:
-        return qg, None
-    m = mask[:, :, None].expand(b, h, g, q, mask.shape[-1]).reshape(b, h, g * q, mask.shape[-1])
-    return qg, m
-
-
-def _logits(qg: Tensor, keys: Tensor, m: Tensor | None, scale: float, softcap: float | None) -> Tensor:
-    """Scaled (and soft-capped) logits with masked entries at the dtype's minimum, in the order of
-    transformers' eager attention (Gemma2: scale, divide by the cap, tanh, multiply, then add the mask)."""
-    w = torch.matmul(qg, keys.transpose(2, 3)) * scale
-    if softcap is not None:
-        w = w / softcap
-        w = torch.tanh(w)
-        w = w * softcap
-    return w if m is None else torch.where(m, w, torch.finfo(w.dtype).min)
-
-
-def _probs(qg: Tensor, keys: Tensor, m: Tensor | None, scale: float, softcap: float | None, sinks: Tensor | None,
-           h: int, g: int, q: int) -> Tensor:
-    w = _logits(qg, keys, m, scale, softcap)
-    if sinks is None:  # Gemma2 / Llama eager: softmax in float32, back to the query dtype
-        return F.softmax(w, dim=-1, dtype=torch.float32).to(qg.dtype)
-    # gpt-oss eager: one extra logit per query head, max-subtracted softmax in the logits' dtype, sink dropped
-    b = qg.shape[0]
-    s = sinks.to(w.dtype).reshape(h, g, 1).expand(h, g, q).reshape(1, h, g * q, 1).expand(b, h, g * q, 1)
-    combined = torch.cat([w, s], dim=-1)
-    combined = combined - combined.max(dim=-1, keepdim=True).values
-    return F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
-
-
-def attend(
-    query: Float[Tensor, "B Hq Q D"],
-    keys: Float[Tensor, "B H T D"],
-    values: Float[Tensor, "B H T Dv"],
-    mask: Bool[Tensor, "B H Q T"] | None,
-    scale: float,
-    softcap: float | None = None,
-    sinks: Float[Tensor, " Hq"] | None = None,
-) -> Float[Tensor, "B Q Hq Dv"]:
-    """Attention of the new queries over the given tokens with a per-KV-head mask (True = attend; None =
-    every query sees every key).
-
-    The G query heads of a group are folded into the query axis, so keys and values are never repeated.
-    Without soft-capping or sinks this is `F.scaled_dot_product_attention`. With `softcap` (Gemma 2,
-    Team Gemma 2024, arXiv 2408.00118: logits `c * tanh(logits / c)`) or `sinks` (gpt-oss, OpenAI 2025: a
-    learned per-head logit that joins the softmax and is then dropped; cf. attention sinks, Xiao et al. 2023,
-    arXiv 2309.17453) it follows transformers' eager implementation of those models step by step.
-    """
-    b, hq, q, _ = query.shape
-    h = keys.shape[1]
-    if hq % h:
-        raise KVComposeError(f"{hq} query heads are not a multiple of {h} KV heads")
-    g = hq // h
-    qg, m = _fold(query, mask, h)
-    if softcap is None and sinks is None:
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=m, scale=scale)
-    else:
-        p = _probs(qg, keys, m, scale, softcap, sinks, h, g, q).to(values.dtype)
-        out = torch.matmul(p, values)
-    return out.reshape(b, hq, q, values.shape[-1]).transpose(1, 2)
-
-
-def attention_probs(
-    query: Float[Tensor, "B Hq Q D"],
-    keys: Float[Tensor, "B H T D"],
-    mask: Bool[Tensor, "B H Q T"] | None,
-    scale: float,
-    softcap: float | None = None,
-    sinks: Float[Tensor, " Hq"] | None = None,
-) -> Float[Tensor, "B Hq Q T"]:
-    """The attention probabilities `attend` uses (float32; soft-capping and sinks as in `attend`), for
-    observers such as accumulated attention (H2O, Zhang et al. 2023, arXiv 2306.14048) that must see what
-    the model attended to. Sink mass is not a token's: rows then sum to less than one."""
-    b, hq, q, _ = query.shape
-    h = keys.shape[1]
-    g = hq // h
-    qg, m = _fold(query, mask, h)
-    p = _probs(qg.float(), keys.float(), m, scale, softcap, sinks, h, g, q)
-    return p.reshape(b, hq, q, keys.shape[2])
+_READS_NO_CONFIG_NAME = frozenset({"sdpa", "flex_attention"})  # implementations that never read the config's name
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -190,18 +90,43 @@ def attention_probs(
 # ------------------------------------------------------------------------------------------------------
 @dataclass
 class _HandOff:
-    layer: object
+    layer: weakref.ref
     keys: Tensor
     values: Tensor
     owner: weakref.ref
 
 
-class _Slot(threading.local):
+@dataclass
+class _MaskNote:
+    owner: weakref.ref
+    kv_length: int
+    kv_offset: int
+
+
+class HookState(threading.local):
+    """The hook's state, one per thread (see the module docstring):
+
+    Attributes:
+        pending: the last kvcompose layer update whose attention has not run yet (`layer`, `owner`: weak
+            references; `keys`, `values`: the tensors `update` returned, recognised by identity).
+        mask: the last kvcompose cache's `get_mask_sizes` whose mask function call has not come yet
+            (`owner`: a weak reference; `kv_length`, `kv_offset`: the sizes it returned).
+    """
+
     pending: _HandOff | None = None
+    mask: _MaskNote | None = None
 
 
-_slot = _Slot()
-_missed: "weakref.WeakKeyDictionary[object, str]" = weakref.WeakKeyDictionary()
+_state = HookState()
+
+MISSED = "kvcompose_missed"
+"""The attribute of a cache (an owner of hand-offs) that holds the message of a hand-off no attention call
+consumed (None while every update was attended)."""
+
+
+def hook_state() -> HookState:
+    """This thread's `HookState`."""
+    return _state
 
 
 def _owner(layer) -> object:
@@ -209,7 +134,7 @@ def _owner(layer) -> object:
 
 
 def _missed_message(p: _HandOff) -> str:
-    idx = getattr(p.layer, "layer_idx", "?")
+    idx = getattr(p.layer(), "layer_idx", "?")
     return (
         f"layer {idx} of a kvcompose cache was updated, but kvcompose's attention did not run for it: the "
         f"model that ran it does not use the '{ATTN_IMPLEMENTATION}' attention implementation (it was changed "
@@ -217,6 +142,13 @@ def _missed_message(p: _HandOff) -> str:
         "cache was passed to another model). The cache now holds tokens it never compressed; build a new cache "
         "for the model you generate with and leave its attention implementation alone while the cache is used."
     )
+
+
+def _mark(owner: object, msg: str) -> None:
+    try:
+        setattr(owner, MISSED, msg)
+    except (AttributeError, TypeError):  # pragma: no cover - an owner without a __dict__
+        pass
 
 
 def hand_off(layer, keys: Tensor, values: Tensor, owner=None) -> None:
@@ -229,31 +161,38 @@ def hand_off(layer, keys: Tensor, values: Tensor, owner=None) -> None:
     then raises at its own next `hand_off` (or `check_consumed`).
     """
     owner = _owner(layer) if owner is None else owner
-    msg = _missed.get(owner)
+    msg = getattr(owner, MISSED, None)
     if msg is not None:
         raise KVComposeError(msg)
-    p = _slot.pending
+    p = _state.pending
     if p is not None:
-        _slot.pending = None
+        _state.pending = None
         stale = p.owner()
         if stale is not None:
             msg = _missed_message(p)
-            _missed[stale] = msg
+            _mark(stale, msg)
             if stale is owner:
                 raise KVComposeError(msg)
-    _slot.pending = _HandOff(layer, keys, values, weakref.ref(owner))
+    _state.pending = _HandOff(weakref.ref(layer), keys, values, weakref.ref(owner))
 
 
 def check_consumed(cache) -> None:
     """Raise `KVComposeError` if a layer of `cache` (an owner given to `hand_off`) was updated and kvcompose's
     attention never saw it."""
-    p = _slot.pending
+    p = _state.pending
     if p is not None and p.owner() is cache:
-        _slot.pending = None
-        _missed[cache] = _missed_message(p)
-    msg = _missed.get(cache)
+        _state.pending = None
+        _mark(cache, _missed_message(p))
+    msg = getattr(cache, MISSED, None)
     if msg is not None:
         raise KVComposeError(msg)
+
+
+def expect_mask(cache, sizes: tuple[int, int]) -> tuple[int, int]:
+    """Note that the next mask function call of this thread is `cache`'s (called by a kvcompose cache's
+    `get_mask_sizes` with the `(kv_length, kv_offset)` it returns, which it returns unchanged)."""
+    _state.mask = _MaskNote(weakref.ref(cache), int(sizes[0]), int(sizes[1]))
+    return sizes
 
 
 def is_kvcompose_cache(obj) -> bool:
@@ -436,9 +375,9 @@ def _delegate(module, query, key, value, attention_mask, kwargs):
             )
         return eager(module, query, key, value, attention_mask, **kwargs)
     fn = iface.get_interface(prev, eager)
-    if prev == "sdpa" or config is None:
+    if config is None or prev in _READS_NO_CONFIG_NAME:
         return fn(module, query, key, value, attention_mask, **kwargs)
-    # flash kernels (and other integrations) read the implementation's name from the config during the call
+    # flash (and hub-kernel) integrations read the implementation's name from the config during the call
     config._attn_implementation_internal = prev
     try:
         return fn(module, query, key, value, attention_mask, **kwargs)
@@ -503,46 +442,32 @@ def kvcompose_attention(module, query, key, value, attention_mask, **kwargs):
     A call whose keys/values are the ones a kvcompose layer just handed off runs that layer's `attend`;
     every other call goes to the model's previous implementation with the same arguments.
     """
-    p = _slot.pending
+    p = _state.pending
     if p is not None and p.keys is key and p.values is value:
-        _slot.pending = None
-        return _kvcompose_call(p.layer, module, query, attention_mask, kwargs)
+        _state.pending = None
+        layer = p.layer()
+        if layer is not None:
+            return _kvcompose_call(layer, module, query, attention_mask, kwargs)
     return _delegate(module, query, key, value, attention_mask, kwargs)
 
 
-_WRAPPER_DIRS = ("/jaxtyping/", "/beartype/", "/kvcompose/", "/torch/_dynamo/", "/torch/compiler/")
+def _note_matches(note: _MaskNote, kwargs: dict) -> bool:
+    """Whether a mask call is the one a kvcompose cache's `get_mask_sizes` announced."""
+    if note.owner() is None:
+        return False
+    for name, want in (("kv_length", note.kv_length), ("kv_offset", note.kv_offset)):
+        got = kwargs.get(name)
+        if got is not None and not isinstance(got, Tensor) and int(got) != want:
+            return False
+    return True
 
 
-def _is_wrapper_frame(f) -> bool:
-    """Frames of kvcompose itself and of decorators around the mask function (torch.compiler.disable, and
-    jaxtyping/beartype in the tests)."""
-    fn = f.f_code.co_filename.replace("\\", "/")
-    return any(d in fn for d in _WRAPPER_DIRS)
-
-
-def _caller_cache() -> tuple[object, bool]:
-    """The cache argument of the transformers function that called the mask function (and whether one was
-    found): `create_causal_mask` & co. name it `past_key_values` (<= 5.23) or `cache` (5.24)."""
-    f, looked = sys._getframe(1), 0
-    while f is not None and looked < 2:  # the mask builder, or the model code that called the mask function
-        if not _is_wrapper_frame(f):
-            looked += 1
-            names = f.f_code.co_varnames
-            for name in _CACHE_LOCALS:
-                if name in names:
-                    loc = f.f_locals
-                    if name in loc:
-                        return loc[name], True
-        f = f.f_back
-    return None, False
-
-
-@no_trace  # reads the caller's frame; never traced (graph break, runs eagerly)
+@no_trace  # never traced (graph break, runs eagerly)
 def kvcompose_mask(*args, **kwargs):
     """The registered mask function: the 2-D padding mask for a kvcompose cache, else exactly the mask of
     the model's previous implementation (any transformers mask-interface signature)."""
-    cache, _ = _caller_cache()
-    if is_kvcompose_cache(cache):
+    note, _state.mask = _state.mask, None
+    if note is not None and _note_matches(note, kwargs):
         return kwargs.get("attention_mask")  # transformers passes every argument by keyword
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 

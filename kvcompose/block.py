@@ -27,7 +27,6 @@ from collections.abc import Callable
 from dataclasses import fields, is_dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
-from jaxtyping import Bool, Int
 from torch import Tensor
 
 from .view import AttentionStep, LayerSpec
@@ -101,14 +100,16 @@ class EventTrigger(Protocol):
     request's pages are full), instead of the layer's rule "every `interval`-th decoded token, rows that hold
     more than their limit".
 
-    `due(state, lengths, limits, decoded, interval) -> Bool[B]`, asked by the layer core after the attention
+    `due(state, lengths, limits, decoded, interval) -> bool [B]`, asked by the layer core after the attention
     of every forward call (prefill only with `compress_prefill=True`): `state` is the allocator's layer state
     (what `init` / the last `allocate` returned; the allocator must be a leaf of the pipeline), `lengths`
     `[B, H]` the slots each (row, KV head) holds (padding included: it occupies pages too), `limits` `[B, H]`
     the kept budgets of the last event (`initial_limits` before the first), `decoded` the tokens decoded so
-    far and `interval` the cache's interval. The rows it returns go through one event
-    (`ComposeLayer.compress(rows=...)`), where `allocate` decides for each of them (take a page, or compress).
+    far and `interval` the cache's interval. It runs at every step, so `lengths` and `limits` are host-side
+    (numpy int64) mirrors and the answer is a host bool array: asking must never wait for the device (an
+    answer on the device is accepted, at the cost of one host sync per step). The rows it returns go through
+    one event (`ComposeLayer.compress(rows=...)`), where `allocate` decides for each of them (take a page, or
+    compress).
     """
 
-    def due(self, state: Any, lengths: Int[Tensor, "B H"], limits: Int[Tensor, "B H"] | None, decoded: int,
-            interval: int) -> Bool[Tensor, " B"]: ...
+    def due(self, state: Any, lengths: Any, limits: Any | None, decoded: int, interval: int) -> Any: ...

@@ -182,11 +182,10 @@ class KVComposeCache(Cache):
         _attn.install(model, owner=self)
         windows = {a.index: a.sliding_window for a in self.attention.layers if a.kind == "sliding"}
         layers = [ComposeLayer(self.core, i, owner=self, sliding_window=windows.get(i)) for i in range(self.num_layers)]
-        for layer in layers:
-            layer.peers = layers
-        super().__init__(layers=layers)
+        super().__init__(layers=layers)  # layers reach their peers through a weak reference to the cache
 
     kvcompose_attention = True  # kvcompose.attention routes calls that carry this cache to its layers
+    kvcompose_missed: str | None = None  # set by kvcompose.attention when an update's attention never ran
 
     # -- transformers Cache API, never traced by torch.compile -----------------------------------
     @_no_trace
@@ -200,7 +199,9 @@ class KVComposeCache(Cache):
 
     @_no_trace
     def get_mask_sizes(self, *args, **kwargs):
-        return super().get_mask_sizes(*args, **kwargs)
+        """`(held + new, seen - held)` of a layer; the mask function call that follows is this cache's
+        (`kvcompose.attention.expect_mask`)."""
+        return _attn.expect_mask(self, super().get_mask_sizes(*args, **kwargs))
 
     @_no_trace
     def get_query_offset(self, *args, **kwargs):

@@ -77,11 +77,29 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--new-tokens", type=int, default=1536, help="reference trace length in tokens (default 1536)")
     f.add_argument("--kinds", nargs="+", default=["sampled", "worked"], choices=["sampled", "greedy", "worked"],
                    help="trace kinds (default: sampled worked)")
-    f.add_argument("--methods", nargs="+", default=methods, choices=methods, help="presets (default: all)")
+    f.add_argument("--methods", nargs="*", default=methods,
+                   help="presets, or names from --pipelines (default: every preset; none with --kvpress-inprocess "
+                   "runs kvpress only)")
+    f.add_argument("--pipelines", nargs="+", default=None,
+                   help="Python files defining PIPELINES = {name: callable(budget) -> Pipeline} (compositions)")
     f.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512], help="budgets (default 64 128 256 512)")
     f.add_argument("--interval", type=int, default=None,
                    help="compression interval for every method (default: each preset's own: R-KV 128, the others 64)")
-    f.add_argument("--short-budgets", nargs="+", type=int, default=[64, 128],
+    f.add_argument("--batch-size", type=int, default=1,
+                   help="traces teacher-forced together, one forward per chunk for the batch (default 1: one trace "
+                   "at a time); kvpress batches only equal prompt lengths")
+    f.add_argument("--groups", type=int, default=0,
+                   help="select GROUPS groups of --group-size questions of equal chat-prompt length, seeded by "
+                   "--select-seed (default 0: --n-prompts from --offset)")
+    f.add_argument("--group-size", type=int, default=8, help="questions per group (default 8)")
+    f.add_argument("--select-seed", type=int, default=0, help="seed of the --groups selection (default 0)")
+    f.add_argument("--exclude", nargs="+", default=None,
+                   help="traces.json files of earlier runs whose questions are not selected (a held-out set)")
+    f.add_argument("--references", default=None,
+                   help="folder for the full-cache references (hidden states), reused by later runs")
+    f.add_argument("--kvpress-inprocess", action="store_true",
+                   help="run --kvpress-presses in this process (kvpress installed here; transformers 5.2), batched")
+    f.add_argument("--short-budgets", nargs="*", type=int, default=[64, 128],
                    help="budgets of the short regime (below the prompt length), scored on the first --short-tokens "
                    "trace tokens (default 64 128)")
     f.add_argument("--short-tokens", type=int, default=512,
@@ -96,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--free-gen-budgets", nargs="+", type=int, default=[64, 128], help="budgets for free generation")
     f.add_argument("--kvpress-python", default=None,
                    help="python of a kvpress virtualenv (e.g. .venv-kvpress/bin/python): run kvpress side by side")
-    f.add_argument("--kvpress-script", default=None, help="default: benchmarks/kvpress_side.py of this checkout")
+    f.add_argument("--kvpress-script", default=None, help="default: kvpress_side.py shipped in kvcompose.bench.external")
     f.add_argument("--kvpress-presses", nargs="+", default=None, help="kvpress presses (default: the script's)")
     f.add_argument("--kvpress-budgets", nargs="+", type=int, default=None, help="default: --budgets")
     f.add_argument("--kvpress-kinds", nargs="+", default=["sampled"], help="trace kinds sent to kvpress (default sampled)")
@@ -329,6 +347,20 @@ def calibrate(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------ main
+# optional dependencies: Python module -> the extra of pyproject.toml that installs it
+EXTRAS = {"matplotlib": "bench", "math_verify": "eval", "datasets": "eval", "lm_eval": "eval",
+          "accelerate": "eval", "gguf": "demo", "triton": "triton"}
+# what a command needs before its end (checked up front: a long run must not die at its plot)
+NEEDS = {"bench fidelity": ("matplotlib",), "bench accuracy": ("matplotlib", "math_verify"),
+         "bench speed": ("matplotlib",), "bench throughput": ("matplotlib",), "bench report": ("matplotlib",)}
+
+
+def _needs_extra(command: str, module: str) -> str:
+    """The one-line error for an optional dependency that is not installed."""
+    return (f"kvcompose: error: `kvcompose {command}` needs the optional module {module}: "
+            f"pip install 'kvcompose[{EXTRAS[module]}]'")
+
+
 def _bench(args, argv: list[str]) -> int:
     from .bench import run
 
@@ -361,7 +393,9 @@ def _bench(args, argv: list[str]) -> int:
             kvpress_presses=args.kvpress_presses, kvpress_budgets=args.kvpress_budgets,
             kvpress_kinds=args.kvpress_kinds, kvpress_max_steps=args.kvpress_max_steps,
             kvpress_max_items=args.kvpress_max_items, kvpress_parallel=not args.kvpress_sequential,
-            kvpress_json=args.kvpress_json, traces=args.traces,
+            kvpress_json=args.kvpress_json, traces=args.traces, kvpress_inprocess=args.kvpress_inprocess,
+            batch_size=args.batch_size, groups=args.groups, group_size=args.group_size, select_seed=args.select_seed,
+            exclude=args.exclude, pipelines=args.pipelines, references=args.references,
             threads=args.threads, out=args.out, command=command,
         )
         run.run_fidelity(cfg)
@@ -380,8 +414,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    import importlib.util
+
     from .view import KVComposeError
 
+    command = " ".join(filter(None, [args.command, getattr(args, "bench", None)]))
+    for module in NEEDS.get(command, ()):
+        if importlib.util.find_spec(module) is None:
+            print(_needs_extra(command, module), file=sys.stderr)
+            return 2
     try:
         if args.command == "generate":
             return generate(args)
@@ -406,6 +447,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except KVComposeError as e:
         print(f"kvcompose: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # an optional dependency met on the way: say which extra installs it
+        if (e.name or "").split(".")[0] not in EXTRAS:
+            raise
+        print(_needs_extra(command, e.name.split(".")[0]), file=sys.stderr)
         return 2
     return 1
 

@@ -5,12 +5,19 @@ tree cache (`kvcompose.branch`) holds the same layers, whose path is the active 
 ```
 ComposeLayer (one per decoder layer)
   path() -> [Segment, ...]      one for a plain cache; the active branch's nodes for a tree
-  Segment: store (DenseStore | PagedStore), tier state, pipeline state, query ring, events, limits
+  Segment: store (a KVStore), tier state, pipeline state, query ring, events, limits
 update(k, v)   -> the write segment's store appends; the layer is handed to the attention function
-attend(q, ...) -> held tokens of every segment (+ tier tokens, merged by position) -> masked SDPA
-               -> observers (token state follows its tokens) -> schedule -> compress(segment)
+attend(q, ...) -> record queries -> gather the path (tier tokens merged) -> attend -> observe -> schedule
 compress(seg)  -> LayerView -> Pipeline.select -> TierStore.store(the rest, by priority) -> store.compact
 ```
+
+`attend` is one sequence for every layout: the tokens it attends are the write segment's store itself
+when the path is that one store with nothing in its tier and no observer needs the padded view (the
+store then attends over its own layout: unmasked SDPA for a dense decode step, the paged kernel on CUDA),
+else a `kvcompose.path.PathTokens` view of the whole path (tier tokens merged by position). Every size it
+needs comes from host-side mirrors, so an ordinary decode step never waits for the device; host syncs
+happen only at compression events (and at most once per forward to see whether the new tokens include
+padding).
 
 Shapes: B batch rows, H KV heads, Hq query heads, Q new tokens, T held tokens, D head dim, C state channels.
 """
@@ -26,16 +33,16 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
-from . import attention as _attn
-from .compat import no_trace
+from . import attention as _hook
 from .allocators import layer_budget as _layer_budget
-from .kernels import paged_decode_attention, select_backend
+from .compat import no_trace
+from .events import rows_due, rows_over, run_event
+from .path import PathTokens, gather, has_tier_tokens, segment_part
 from .pipeline import Pipeline, Selection
-from .prefetch import Merged, Prefetcher
+from .prefetch import Merged
 from .segment import CacheStats, CoreConfig, QueryRing, Segment
-from .stores import DenseStore, PagedStore, StoreView
-from .tiers import TierTokens, take_tokens
-from .view import FAR_POSITION, AttentionStep, KVComposeError, LayerSpec, LayerView
+from .stores import KVStore, StoreView, make_store
+from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
 
 __all__ = ["ComposeLayer", "Segment", "QueryRing", "CoreConfig", "CacheStats", "check_incoming"]
 
@@ -66,22 +73,28 @@ class ComposeLayer(CacheLayerMixin):
 
     Public attributes: `seen` (tokens seen), `prompt_length`, `held` / `lengths` (tokens held on the device),
     `events` (compression events of the write segment), `keys` / `values` / `positions` / `valid` (the held
-    tokens of the path as a padded view), `generator`.
+    tokens of the path as a padded view), `generator`, `peers` (the cache's layers, held weakly).
     """
 
     is_compileable = False
     is_croppable = True
-    attention_features = frozenset({"softcap", "sinks"})  # applied by kvcompose.attention.attend
+    attention_features = frozenset({"softcap", "sinks"})  # applied by kvcompose.attention_math.attend
 
     def __init__(self, config: CoreConfig, layer_idx: int, owner: Any = None, sliding_window: int | None = None):
         # CacheLayerMixin.__init__ would assign self.keys/self.values, which are properties here.
         self.config = config
         self.layer_idx = layer_idx
-        self.peers: list[ComposeLayer] = []
         self._owner = weakref.ref(owner) if owner is not None else (lambda: config)
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None  # keeps its own window; never compressed beyond it
         self.reset()
+
+    @property
+    def peers(self) -> list["ComposeLayer"]:
+        """Every layer of this layer's cache (through a weak reference to the cache: no reference cycle)."""
+        owner = self._owner()
+        layers = getattr(owner, "layers", None)
+        return layers if isinstance(layers, list) else [self]
 
     # -- state ----------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -91,7 +104,6 @@ class ComposeLayer(CacheLayerMixin):
         self.scale: float | None = None
         self._peak_held = 0
         self._peak_alloc = 0
-        self._merged: Merged | None = None
         self.is_initialized = False
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -101,6 +113,10 @@ class ComposeLayer(CacheLayerMixin):
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.config.seed * 1_000_003 + self.layer_idx)
         self.spec = LayerSpec(self.layer_idx, self.config.num_layers, b, h, d, self.value_dim, self.device, self.dtype)
+        pipe = self.config.pipeline
+        self._window = pipe.query_window if self.sliding_window is None else 0
+        self._observes = bool(pipe.observers) and self.config.observe and self.sliding_window is None
+        self._tiered = pipe.tier.holds_tokens
         self.is_initialized = True
 
     @property
@@ -127,25 +143,29 @@ class ComposeLayer(CacheLayerMixin):
                              self.config.budget, self.seen if seen is None else seen)
 
     def target_capacity(self) -> int:
-        """Slots a dense store grows up to and shrinks back to: the budget plus one interval (0: no cap)."""
+        """Slots a store keeps room for between events: the budget plus one interval (0: no cap)."""
         if not self.config.pipeline.compresses:
             return 0
         budget = self.layer_budget()
         return 0 if budget is None else budget + self.config.interval
 
+    def room(self) -> int:
+        """Tokens a (row, head) gains until its next compression event, the room a store keeps after one: the
+        interval, or for an allocator that triggers events itself the room it leaves (GrowPage: one page)."""
+        if self.config.trigger:
+            return int(getattr(self.config.pipeline.allocator, "room", self.config.interval))
+        return self.config.interval
+
     def open(self, seg: Segment) -> None:
         """Give a segment its store, tier state and pipeline state."""
         cfg, s = self.config, self.spec
         pipe = cfg.pipeline
-        if cfg.paged:
-            seg.store = PagedStore(s.batch, s.heads, s.head_dim, s.value_dim, s.dtype, s.device,
-                                   page_size=pipe.allocator.page_size, channels=pipe.channels)
-            budget = self.layer_budget()
-            if budget is not None and pipe.compresses:
-                seg.limits = pipe.allocator.initial_limits(budget, s.batch, s.heads, s.device)
-        else:
-            seg.store = DenseStore(s.batch, s.heads, s.head_dim, s.value_dim, s.dtype, s.device,
-                                   channels=pipe.channels, target=self.target_capacity(), reserve=cfg.reserve)
+        seg.store = make_store(cfg.paged, s.batch, s.heads, s.head_dim, s.value_dim, s.dtype, s.device,
+                               channels=pipe.channels, page_size=pipe.allocator.page_size,
+                               target=self.target_capacity(), reserve=cfg.reserve)
+        budget = self.layer_budget()
+        if cfg.paged and budget is not None and pipe.compresses:
+            seg.limits = pipe.allocator.initial_limits(budget, s.batch, s.heads, s.device)
         seg.tier = pipe.tier.init(s)
         seg.blocks = pipe.init(s)
 
@@ -195,9 +215,7 @@ class ComposeLayer(CacheLayerMixin):
     def capacity(self) -> int:
         """Token slots of the write segment's device buffers (pages x page size for paged storage)."""
         store = self.write_segment().store
-        if store is None:
-            return 0
-        return store.capacity if isinstance(store, DenseStore) else store.pool.capacity * store.page_size
+        return 0 if store is None else store.capacity
 
     # -- writing --------------------------------------------------------------------------------------
     @_no_trace
@@ -208,7 +226,7 @@ class ComposeLayer(CacheLayerMixin):
         attention (the model's attention implementation was changed, or the cache went to another model)."""
         if self.is_initialized:
             check_incoming(self, key_states)
-        _attn.hand_off(self, key_states, value_states, owner=self._owner())
+        _hook.hand_off(self, key_states, value_states, owner=self._owner())
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
@@ -217,197 +235,145 @@ class ComposeLayer(CacheLayerMixin):
         seg = self.write_segment()
         if seg.store is None:
             self.open(seg)
-        start = seg.start + seg.n
-        if isinstance(seg.store, DenseStore):  # positions written only when a view needs them
-            seg.store.append(key_states, value_states, None, start=start)
-        else:
-            seg.store.append(key_states, value_states, torch.arange(start, start + q, device=self.device))
+        seg.store.append(key_states, value_states, seg.start + seg.n)
         seg.n += q
         return key_states, value_states
 
     # -- attention ------------------------------------------------------------------------------------
-    def _segment_set(self, seg: Segment, need_channels: bool) -> tuple[StoreView, Tensor | None, Merged | None]:
-        """A segment's held tokens plus what its tier holds, merged by position."""
-        pipe = self.config.pipeline
-        view = seg.store.view()
-        if pipe.tier.holds_tokens and seg.tier:
-            stamp = (id(seg), self.seen, seg.store.held, pipe.tier.version(seg.tier))
-            m = self._merged
-            if m is not None and m.stamp == stamp:
-                return StoreView(m.keys, m.values, m.positions, m.valid), m.channels, m
-            ahead = [(p.write_segment(), p.write_segment().tier) for p in self.peers[self.layer_idx + 1:]]
-            fetched = self.config.prefetcher.fetch(pipe.tier, seg.tier, seg, self.device, ahead)
-            if fetched is not None and fetched.n:
-                m = Prefetcher.merge(view.keys, view.values, view.positions, view.valid, seg.store.read_channels(),
-                                     fetched, stamp)
-                return StoreView(m.keys, m.values, m.positions, m.valid), m.channels, m
-        return view, (seg.store.read_channels() if need_channels else None), None
-
     def attend(self, query: Float[Tensor, "B Hq Q D"], mask2d: Tensor | None, scale: float,
                sliding_window: int | None = None, **features: Any) -> Float[Tensor, "B Q Hq D"]:
-        """Attention of the new queries over the path's held tokens (and tier tokens), then the schedule."""
+        """Attention of the new queries over the path's held tokens (and tier tokens), then the schedule:
+        record queries -> gather the path -> attend -> observe -> schedule."""
         q = query.shape[2]
         self.scale = scale
         if query.shape[1] % self.num_heads:
             raise KVComposeError(f"{query.shape[1]} query heads are not a multiple of {self.num_heads} KV heads")
-        cfg = self.config
-        pipe = cfg.pipeline
         seg = self.write_segment()
         seen = seg.start + seg.n
-        pad = mask2d is not None and self._has_padding(mask2d, q)
-        if pad:
-            seg.store.set_tail_valid(mask2d[:, -q:].to(device=self.device, dtype=torch.bool))
-        w = pipe.query_window if self.sliding_window is None else 0
-        observers = bool(pipe.observers) and cfg.observe and self.sliding_window is None
-        path = self.path()
-        if (q == 1 and len(path) == 1 and not observers and not seg.store.ragged and not features
-                and type(seg.store) is DenseStore and not (pipe.tier.holds_tokens and seg.tier)
-                and (sliding_window is None or seen <= sliding_window)):
-            # the common decode step: one new token that sees every held key; scorers that read queries at
-            # the next event (a query window) only get this query recorded
-            if w > 0:
-                qvalid = mask2d[:, -1:].to(device=self.device, dtype=torch.bool) if pad else None
-                if seg.ring.ready(query, w):
-                    seg.ring.record_one(query, seen - 1, qvalid)
-                else:
-                    if qvalid is None:
-                        qvalid = torch.ones(query.shape[0], 1, dtype=torch.bool, device=self.device)
-                    seg.ring.record(query, torch.arange(seen - 1, seen, device=self.device), qvalid, w)
-            keys, values = seg.store.kv()
-            out = _attn.attend(query, keys, values, None, scale)
-            if self.scheduled():
-                self._schedule(q)
-            elif self.sliding_window is not None:
-                self._keep_window(seg)
-            return out
-        qpos = torch.arange(seen - q, seen, device=self.device)
-        if w > 0:
-            qvalid = (mask2d[:, -q:].to(device=self.device, dtype=torch.bool) if pad
-                      else torch.ones(query.shape[0], q, dtype=torch.bool, device=self.device))
-            seg.ring.record(query, qpos, qvalid, w)
-        segs = [s for s in path if s.store is not None and s.store.held]
-        parts = [self._segment_set(s, observers) for s in segs]
-        keys, values = _cat([p[0].keys for p in parts]), _cat([p[0].values for p in parts])
-        pos, valid = _cat([p[0].positions for p in parts]), _cat([p[0].valid for p in parts])
-        ragged = any(p[2] is not None or s.store.ragged for p, s in zip(parts, segs))
-        if q == 1 and not ragged and (sliding_window is None or self.seen <= sliding_window):
-            mask = None  # one new token that sees every held key
-        else:
-            mask = _attn.build_mask(pos, valid, qpos, sliding_window)
-        if (len(segs) == 1 and parts[0][2] is None and isinstance(segs[0].store, PagedStore) and not observers
-                and not features and select_backend(query, segs[0].store.pool.keys) == "triton"):
-            st = segs[0].store  # the paged decode kernel reads the pages directly: no padded copy
-            out = paged_decode_attention(query, st.pool.keys, st.pool.values, st.pool.positions, st.pool.valid,
-                                         st.page_table, st.lengths, qpos, float(scale), sliding_window,
-                                         check_indices=False)
-        else:
-            out = _attn.attend(query, keys, values, mask, scale, **features)
-        if observers:
-            self._observe(seg, segs, parts, AttentionStep(query, keys, pos, valid, mask, scale,
-                                                          features.get("softcap"), features.get("sinks")))
-        self._merged = next((p[2] for p, s in zip(parts, segs) if s is seg), None)
+        qvalid = self._new_valid(mask2d, q)  # None: the new tokens are all real (one host sync per forward)
+        if qvalid is not None:
+            seg.store.set_tail_valid(qvalid)
+        if self._window:
+            self._record(seg, query, seen, qvalid)
+        tokens = self._gather()
+        out = tokens.attend(query, seen, scale, sliding_window, **features)
+        if self._observes:
+            self._observe(seg, tokens, AttentionStep(query, tokens.keys, tokens.positions, tokens.valid, tokens.mask,
+                                                     scale, features.get("softcap"), features.get("sinks")))
         if self.scheduled():
-            self._schedule(q)
+            self._schedule(q, tokens)
         elif self.sliding_window is not None:
             self._keep_window(seg)
-        self._merged = None  # fetched copies are not kept between steps
         return out
 
-    def _has_padding(self, mask2d: Tensor, q: int) -> bool:
-        """Whether the q new tokens include padding; checked once per forward (one host sync per step, not
-        one per layer): every layer of a forward receives the same 2-D mask."""
+    def _gather(self) -> KVStore | PathTokens:
+        """What this call attends: the write segment's store itself when it is the whole path, its tier
+        holds nothing and no observer needs the padded view; else a `PathTokens` view of the path."""
+        path = self.path()
+        tier = self.config.pipeline.tier
+        ahead = self._ahead() if self._tiered else ()
+        if len(path) == 1 and not self._observes and not (self._tiered and has_tier_tokens(tier, path[0].tier)):
+            if ahead:  # nothing to fetch here, but the next layers' copies start now
+                for key, state in ahead[: self.config.prefetcher.lookahead]:
+                    self.config.prefetcher.start(tier, state, key)
+            return path[0].store
+        segs = [s for s in path if s.store is not None and s.store.held]
+        return gather(segs, tier, self.config.prefetcher, self._observes, ahead)
+
+    def _ahead(self) -> list[tuple[Segment, Any]]:
+        """The write segments (and tier states) of the next layers, in the order they attend: after the last
+        layer, the next step's first ones (the prefetch wraps around)."""
+        peers = self.peers
+        n = len(peers)
+        out = []
+        for k in range(1, min(self.config.prefetcher.lookahead, n - 1) + 1):
+            p = peers[(self.layer_idx + k) % n]
+            if p.is_initialized:
+                s = p.write_segment()
+                if s.tier:
+                    out.append((s, s.tier))
+        return out
+
+    def _new_valid(self, mask2d: Tensor | None, q: int) -> Bool[Tensor, "B Q"] | None:
+        """The padding flags of the q new tokens if some are padding, else None. Checked once per forward
+        (one host sync per step, not one per layer): every layer of a forward receives the same 2-D mask."""
+        if mask2d is None:
+            return None
         key = (mask2d.data_ptr(), mask2d.shape, self.seen)
         cached = self.config.step_padding
         if self.layer_idx > 0 and cached is not None and cached[0] == key:  # layer 0 starts every forward
-            return cached[1]
-        out = not bool(mask2d[:, -q:].all())
-        self.config.step_padding = (key, out)
-        return out
+            pad = cached[1]
+        else:
+            pad = not bool(mask2d[:, -q:].all())
+            self.config.step_padding = (key, pad)
+        return mask2d[:, -q:].to(device=self.device, dtype=torch.bool) if pad else None
 
-    def _observe(self, seg: Segment, segs: list[Segment], parts: list, step: AttentionStep) -> None:
-        pipe = self.config.pipeline
-        channels = _cat([p[1] for p in parts])
-        seg.blocks, channels = pipe.observe(seg.blocks, channels, step)
-        if not pipe.channels:
+    def _record(self, seg: Segment, query: Tensor, seen: int, qvalid: Tensor | None) -> None:
+        """Keep the newest `query_window` queries (a decoded query is one in-place write of the ring)."""
+        q, w = query.shape[2], self._window
+        if q == 1 and seg.ring.ready(query, w):
+            seg.ring.record_one(query, seen - 1, qvalid)
             return
-        off = 0
-        for s, (v, _, merged) in zip(segs, parts):
-            n = v.keys.shape[2]
-            ch = channels[:, :, off : off + n]
-            off += n
-            if merged is None:
-                s.store.write_channels(ch)
-            else:
-                hot, tier_part = merged.split(ch)
-                s.store.write_channels(hot)
-                s.tier = pipe.tier.write_channels(s.tier, tier_part)
-                merged.channels = ch
+        if qvalid is None:
+            qvalid = torch.ones(query.shape[0], q, dtype=torch.bool, device=self.device)
+        seg.ring.record(query, torch.arange(seen - q, seen, device=self.device), qvalid, w)
+
+    def _observe(self, seg: Segment, tokens: PathTokens, step: AttentionStep) -> None:
+        pipe = self.config.pipeline
+        seg.blocks, channels = pipe.observe(seg.blocks, tokens.channels, step)
+        if pipe.channels:
+            tokens.write_channels(channels, pipe.tier)
 
     def _keep_window(self, seg: Segment) -> None:
         """A sliding-window layer keeps the tokens the next queries can see (the newest `window - 1`), cut back
-        once it holds an interval more (exact: the mask hides every older token)."""
+        once it holds an interval more (exact: the mask hides every older token). Its held tokens are
+        contiguous up to the newest, so the cut is known on the host."""
         w = self.sliding_window
         store = seg.store
-        if store.held < w - 1 + self.config.interval:
+        t = store.held
+        if t < w - 1 + self.config.interval:
             return
         self._track_peak()
-        pos = store.view().positions
-        keep = pos >= self.seen - (w - 1)
-        t = keep.shape[-1]
-        k = int(keep[0, 0].sum())
-        kept = torch.arange(t - k, t, device=self.device).expand(*keep.shape[:2], k).contiguous()
+        k = w - 1
+        kept = torch.arange(t - k, t, device=self.device).expand(self.batch_size, self.num_heads, k).contiguous()
         store.compact(kept)
-        if isinstance(store, DenseStore):
-            store.fit()
+        store.fit(self.config.interval)
         self._track_peak()
 
     # -- compression ----------------------------------------------------------------------------------
-    def _over(self, seg: Segment) -> Bool[Tensor, " B"] | None:
-        """Rows in which some head holds more real tokens than its limit (or too many slots); None: no row."""
-        budget = self.layer_budget()
-        if budget is None:
-            return None
-        store = seg.store
-        real = store.view().valid.sum(-1)
-        limits = seg.limits if seg.limits is not None else torch.full_like(real, budget)
-        over = ((real > limits) | (store.lengths >= limits + self.config.interval)).any(-1)
-        return over if bool(over.any()) else None
-
-    def _due(self, seg: Segment, decoded: int) -> Bool[Tensor, " B"] | None:
-        """Rows the allocator's `EventTrigger.due` says need an event now (None: no row)."""
-        if self.layer_budget() is None or seg.store is None:
-            return None
-        pipe = self.config.pipeline
-        state = seg.blocks[pipe.leaves.index(pipe.allocator)]
-        rows = pipe.allocator.due(state, seg.store.lengths, seg.limits, decoded, self.config.interval)
-        return rows if bool(rows.any()) else None
-
-    def _schedule(self, q: int) -> None:
+    def _schedule(self, q: int, tokens: KVStore | PathTokens | None = None) -> None:
         """Compress at every `interval`-th decoded token the rows that hold more real tokens than the budget.
 
         The schedule counts decoded tokens, not held slots, so every row of a left-padded batch compresses at
-        the same steps as it would alone (padding slots never trigger or survive a compression)."""
+        the same steps as it would alone (padding slots never trigger or survive a compression). `tokens`
+        (what this step attended) hands its tier merge to the event, so the tier is not fetched twice."""
         cfg = self.config
         seg = self.write_segment()
         decoded = self.seen - self.prompt_length
         if decoded == 0 and not cfg.compress_prefill:
             return
         if cfg.trigger:  # the allocator decides which rows are due (GrowPage: a request's pages are full)
-            rows = self._due(seg, decoded)
-            if rows is not None:
-                self.compress(seg, rows)
+            rows = cut = rows_due(self, seg, decoded)
+        elif decoded and decoded // cfg.interval == (decoded - q) // cfg.interval:
             return
-        if decoded and decoded // cfg.interval == (decoded - q) // cfg.interval:
-            return
-        rows = self._over(seg)
+        else:
+            rows = rows_over(self, seg)
+            cut = rows if cfg.paged else None  # a dense layer cuts every row
         if rows is not None:
-            self.compress(seg, rows if cfg.paged else None)
+            merged = tokens.merged_of(seg) if isinstance(tokens, PathTokens) else None
+            self.compress(seg, cut, merged=merged)
 
-    def view(self, seg: Segment | None = None, rows: Tensor | None = None) -> tuple[LayerView, Tensor, Merged | None]:
+    def view(self, seg: Segment | None = None, rows: Tensor | None = None, merged: Merged | None = None
+             ) -> tuple[LayerView, Tensor, Merged | None]:
         """A snapshot of a segment for the pipeline: its held tokens and, with a tier that holds tokens, every
-        non-evicted token of it (HBM and tier, in position order); plus their channels and the merge."""
+        non-evicted token of it (HBM and tier, in position order); plus their channels and the merge
+        (`merged`: one this step already built for the segment)."""
         seg = self.write_segment() if seg is None else seg
-        v, channels, merged = self._segment_set(seg, True)
+        if merged is not None:
+            v, channels = StoreView(merged.keys, merged.values, merged.positions, merged.valid), merged.channels
+        else:
+            v, channels, part = segment_part(seg, self.config.pipeline.tier, self.config.prefetcher, True)
+            merged = part.merged
         ring = seg.ring
         view = LayerView(
             layer_idx=self.layer_idx, num_layers=self.config.num_layers,
@@ -420,81 +386,30 @@ class ComposeLayer(CacheLayerMixin):
         return view, channels, merged
 
     def compress(self, seg: Segment | None = None, rows: Tensor | None = None, budget: int | None = None,
-                 pipeline: Pipeline | None = None) -> Selection:
+                 pipeline: Pipeline | None = None, merged: Merged | None = None) -> Selection:
         """Run the pipeline once on a segment (default: the write segment) and keep only what it selects.
 
         The candidates are all non-evicted tokens; the tier store receives every candidate not kept in HBM,
         in the pipeline's priority order, and replaces its content (promotion and demotion at every event).
         With `rows`, only those rows are cut (paged layouts); the others keep every token. `budget` and
-        `pipeline` override the layer's (a pipeline with the same blocks and another tier, e.g. `Evict()`)."""
+        `pipeline` override the layer's (a pipeline with the same blocks and another tier, e.g. `Evict()`);
+        `merged` is the segment's merge with its tier tokens when the caller already has it."""
         stats = self.config.stats
         if stats.sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
         try:
             return self._compress(self.write_segment() if seg is None else seg, rows, budget,
-                                  self.config.pipeline if pipeline is None else pipeline)
+                                  self.config.pipeline if pipeline is None else pipeline, merged)
         finally:
             if stats.sync and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             stats.compress_seconds += time.perf_counter() - t0
             stats.compress_calls += 1
 
-    def _compress(self, seg: Segment, rows: Tensor | None, budget: int | None, pipe: Pipeline) -> Selection:
-        if budget is None:
-            budget = self.layer_budget(seg.start + seg.n)
-        if budget is None:
-            raise KVComposeError(f"layer {self.layer_idx}: compressing needs a budget")
-        self._track_peak()  # the peak is reached just before a compaction
-        view, channels, merged = self.view(seg, rows)
-        sel, seg.blocks = pipe.select(view, budget, seg.blocks, channels)
-        kept = sel.kept
-        b, h, t = view.shape
-        if rows is not None and not bool(rows.all()):
-            width = max(kept.shape[-1], t)
-            every = torch.arange(width, device=self.device).expand(b, h, width)
-            every = torch.where(every < (view.positions < FAR_POSITION).sum(-1, keepdim=True), every,
-                                torch.full_like(every, -1))
-            pad = torch.full((b, h, width - kept.shape[-1]), -1, dtype=kept.dtype, device=self.device)
-            kept = torch.where(rows[:, None, None], torch.cat([kept, pad], dim=-1), every)
-        n_kept = (kept >= 0).sum(-1)
-        if pipe.tier.holds_tokens:
-            seg.tier = pipe.tier.store(seg.tier, self._leaving(view, channels, sel.order, n_kept, rows),
-                                       seg.start + seg.n, n_kept, sel.protected)
-        if merged is not None or sel.values is not None:  # tier tokens merged in, or a Merger gave new values
-            safe = kept.clamp(min=0)
-            g = lambda x: take_tokens(x, safe)  # noqa: E731
-            values = view.values if sel.values is None else sel.values
-            seg.store.assign(StoreView(g(view.keys), g(values), g(view.positions), g(view.valid) & (kept >= 0)),
-                             g(channels), n_kept)
-            self._merged = None
-        else:
-            seg.store.compact(kept)
-        if seg.limits is not None:
-            seg.limits = sel.budget if rows is None else torch.where(rows[:, None], sel.budget, seg.limits)
-        if isinstance(seg.store, DenseStore):
-            seg.store.target = self.target_capacity()
-            seg.store.fit()
-        seg.events += 1
-        self._track_peak()
-        return sel
-
-    def _leaving(self, view: LayerView, channels: Tensor, order: Int[Tensor, "B H T"], n_kept: Int[Tensor, "B H"],
-                 rows: Tensor | None) -> TierTokens:
-        """The candidates not kept, in priority order: `order[b, h, n_kept[b, h]:]`, padded per head (rows
-        outside `rows` keep every token: nothing of theirs leaves)."""
-        b, h, t = view.shape
-        rest = t - n_kept
-        m = int(rest.max()) if rest.numel() else 0
-        j = torch.arange(m, device=self.device)
-        idx = (n_kept[..., None] + j).clamp(max=max(t - 1, 0))
-        slots = order.gather(-1, idx)
-        inside = j < rest[..., None]
-        if rows is not None:
-            inside = inside & rows[:, None, None]
-        g = lambda x: take_tokens(x, slots)  # noqa: E731
-        pos = torch.where(inside, g(view.positions), torch.full_like(slots, FAR_POSITION) + j)
-        return TierTokens(g(view.keys), g(view.values), pos, g(view.valid) & inside, g(channels))
+    def _compress(self, seg: Segment, rows: Tensor | None, budget: int | None, pipe: Pipeline,
+                  merged: Merged | None) -> Selection:
+        return run_event(self, seg, rows, budget, pipe, merged)
 
     # -- transformers Cache API -------------------------------------------------------------------------
     @_no_trace
@@ -581,7 +496,7 @@ class ComposeLayer(CacheLayerMixin):
         """Bytes of one token position over all rows and heads (the full-cache unit)."""
         if not self.is_initialized:
             return 0
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = self.dtype.itemsize
         return self.batch_size * self.num_heads * (self.head_dim + self.value_dim) * item
 
     def held_bytes(self) -> int:

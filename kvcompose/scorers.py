@@ -15,7 +15,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from .attention import attention_probs
+from .attention_math import attention_probs
 from .block import Block
 from .kernels import key_redundancy, value_magnitude, window_attention_scores
 from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
@@ -134,7 +134,8 @@ class AccumulatedAttention(Scorer):
 
     Paper: Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs", NeurIPS 2023
     (arXiv 2306.14048). Per KV head, attention is summed over its query-head group and over all queries
-    (prefill included). Also the cumulative-attention ranking of the memory-hierarchy paper.
+    (prefill included). Also the cumulative-attention ranking of the memory-hierarchy paper. The logits are
+    computed in the cache's dtype (as the model's attention computes them) and the softmax in float32.
 
     Args:
         normalize: divide the total by the number of queries that could see the token (reduces the bias
@@ -156,8 +157,10 @@ class AccumulatedAttention(Scorer):
             p = attention_probs(queries, keys, step.mask, step.scale, step.softcap, step.sinks)
             add = p.reshape(b, h, g * q, -1).sum(dim=2)
             return state + (add / g if self.normalize else add)
-        qg = queries.reshape(b, h, g * q, d).float()
-        logits = torch.einsum("bhqd,bhtd->bhqt", qg, keys.float()) * step.scale
+        # logits in the keys' dtype (fp32 accumulation inside the matmul, as the model's own attention), then
+        # float32: no float32 copy of every held key at every step (bit-identical for float32 caches)
+        qg = queries.reshape(b, h, g * q, d).to(keys.dtype)
+        logits = torch.einsum("bhqd,bhtd->bhqt", qg, keys).float() * step.scale
         if step.mask is not None:
             m = step.mask[:, :, None].expand(b, h, g, q, keys.shape[2]).reshape(b, h, g * q, -1)
             logits = logits.masked_fill(~m, float("-inf"))

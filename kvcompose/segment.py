@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -15,7 +16,7 @@ from torch import Tensor
 from .block import EventTrigger
 from .pipeline import Pipeline
 from .prefetch import Prefetcher
-from .stores import DenseStore, PagedStore
+from .stores import KVStore
 
 __all__ = ["CacheStats", "CoreConfig", "QueryRing", "Segment"]
 
@@ -178,17 +179,28 @@ class Segment:
         limits: `[B, H]` per-head token limits (paged layouts).
     """
 
-    __slots__ = ("start", "n", "store", "tier", "blocks", "ring", "events", "limits")
+    __slots__ = ("start", "n", "store", "tier", "blocks", "ring", "events", "_limits", "host_limits")
 
     def __init__(self, start: int = 0) -> None:
         self.start = start
         self.n = 0
-        self.store: DenseStore | PagedStore | None = None
+        self.store: KVStore | None = None
         self.tier: Any = None
         self.blocks: tuple | None = None
         self.ring = QueryRing()
         self.events = 0
-        self.limits: Tensor | None = None
+        self._limits: Tensor | None = None
+        self.host_limits: np.ndarray | None = None  # the same limits on the host (set with `limits`)
+
+    @property
+    def limits(self) -> Tensor | None:
+        """`[B, H]` per-head token limits of the last event (paged layouts), mirrored in `host_limits`."""
+        return self._limits
+
+    @limits.setter
+    def limits(self, value: Tensor | None) -> None:  # set at events and batch operations: one host sync
+        self._limits = value
+        self.host_limits = None if value is None else value.cpu().numpy().astype(np.int64)
 
     def held(self) -> int:
         return 0 if self.store is None else self.store.held

@@ -21,6 +21,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .block import Block
+from .kernels.ref import run_sums
 from .view import KVComposeError
 
 __all__ = ["Selector", "TopK", "Sample", "RandomDrop", "BlockGranular", "indices_from_priority", "priority_order"]
@@ -56,9 +57,10 @@ def _kept_from_order(order: Int[Tensor, "B H T"], budget: Int[Tensor, "B H"]) ->
 
 def _kept_first(order: Int[Tensor, "B H T"], kept: Int[Tensor, "B H K"]) -> Int[Tensor, "B H T"]:
     """`order` with the kept slots moved to the front (both parts keep their relative order)."""
-    is_kept = torch.zeros(order.shape, dtype=torch.bool, device=order.device)
-    is_kept.scatter_(-1, kept.clamp(min=0), kept >= 0)
-    first = is_kept.gather(-1, order).to(torch.int8)
+    t = order.shape[-1]
+    is_kept = torch.zeros((*order.shape[:-1], t + 1), dtype=torch.bool, device=order.device)
+    is_kept.scatter_(-1, torch.where(kept >= 0, kept, torch.full_like(kept, t)), True)  # padding: slot t, dropped
+    first = is_kept[..., :t].gather(-1, order).to(torch.int8)
     return order.gather(-1, torch.sort(first, dim=-1, descending=True, stable=True).indices)
 
 
@@ -242,14 +244,15 @@ class BlockGranular(Selector):
         start[..., 1:] = blk[..., 1:] != blk[..., :-1]
         seg = start.long().cumsum(-1) - 1  # [B, H, T] in [0, T)
         ok = valid.float()
-        size = torch.zeros(b, h, t, device=valid.device).scatter_add_(-1, seg, ok)
+        # per-segment sums, deterministic (a block holds at most `block` slots: fixed-order run sums)
+        size = run_sums(ok, seg, self.block)
         if self.reduce == "mean":
-            val = torch.zeros(b, h, t, device=valid.device).scatter_add_(-1, seg, raw.clamp(-1e30, 1e30) * ok)
+            val = run_sums(raw.clamp(-1e30, 1e30) * ok, seg, self.block)
             val = val / size.clamp(min=1)
         else:
             val = torch.full((b, h, t), -3e38, device=valid.device).scatter_reduce_(
                 -1, seg, raw.masked_fill(~valid, -3e38), "amax")
-        prot = torch.zeros(b, h, t, device=valid.device).scatter_add_(-1, seg, (protected & valid).float()) > 0
+        prot = run_sums((protected & valid).float(), seg, self.block) > 0
         real = size > 0
         if not self.per_head:  # one ranking per row: a block's value is its mean over the heads that hold it
             shared = torch.where(real, val, torch.zeros_like(val)).sum(1, keepdim=True)

@@ -7,7 +7,7 @@ import torch
 
 from transformers import DynamicCache
 
-from kvcompose.models import tiny_model
+from kvcompose.bench.tiny import tiny_model
 from kvcompose.view import LayerView
 
 _TREE_MODELS: dict = {}

@@ -11,7 +11,7 @@ from kvcompose import (
     BlockGranular, KVComposeCache, KVComposeError, Pipeline, ProtectRecent, ProtectSinks, RandomDrop, TopK,
     ValueNorm, methods,
 )
-from kvcompose.models import tiny_model
+from kvcompose.bench.tiny import tiny_model
 
 
 @settings(max_examples=30, deadline=None)

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from kvcompose import (
     KVComposeCache, KVComposeError, Pipeline, ProtectRecent, ProtectSinks, RandomDrop, TopK, ValueNorm, methods,
 )
-from kvcompose.models import tiny_model
+from kvcompose.bench.tiny import tiny_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 
@@ -206,14 +206,54 @@ def test_seeds():
 def test_reorder_and_beam_search():
     model = tiny_model("llama")
     ids, mask = _inputs(b=1, t=10, pad=(0,))
-    cache = KVComposeCache(model, methods.h2o(), budget=8, interval=4)
-    out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
-                         num_beams=3, do_sample=False)
-    assert out.shape[0] == 1 and out.shape[1] <= 22
     full = model.generate(input_ids=ids, attention_mask=mask, past_key_values=KVComposeCache(model, budget=None),
                           max_new_tokens=12, num_beams=3, do_sample=False)
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, num_beams=3, do_sample=False)
     assert torch.equal(full, ref)
+
+
+@pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
+@pytest.mark.parametrize("preset", ["h2o", "snapkv"])  # token state (accumulated attention); a query window
+def test_compressed_beam_search_equals_beams_over_fresh_caches(preset):
+    """Beam search with a compressing cache reorders every layer's rows, positions and pipeline state (H2O's
+    accumulated attention, SnapKV's window of recent queries) at every step. Reference: the same beam search in which each beam's next-token
+    log-probabilities come from a fresh cache fed only that beam's own tokens, one per forward (so no cache
+    is ever reordered). The returned beams must be the same tokens with the same scores."""
+    model = tiny_model("llama")
+    ids, mask = _inputs(b=1, t=10, pad=(0,))
+    beams, n = 3, 12
+
+    def make():
+        pipe = methods.h2o() if preset == "h2o" else methods.snapkv(window=4)
+        return KVComposeCache(model, pipe, budget=8, interval=4)
+
+    out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=make(), max_new_tokens=n,
+                         num_beams=beams, num_return_sequences=beams, do_sample=False, length_penalty=0.0,
+                         output_scores=True, return_dict_in_generate=True)
+    held = []
+
+    @torch.no_grad()
+    def logprobs(tokens: tuple[int, ...]) -> torch.Tensor:
+        cache = make()
+        logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits[0, -1]
+        for i, t in enumerate(tokens):
+            am = torch.ones(1, ids.shape[1] + i + 1, dtype=torch.long)
+            logits = model(input_ids=torch.tensor([[t]]), attention_mask=am, past_key_values=cache).logits[0, -1]
+        held.append((cache.get_seq_length(), max(cache.held_lengths())))
+        return torch.log_softmax(logits.float(), -1)
+
+    running: list[tuple[tuple[int, ...], float]] = [((), 0.0)]
+    for _ in range(n):  # transformers' rule without an end-of-sequence token: the best `beams` continuations
+        cands = []
+        for toks, score in running:
+            top = logprobs(toks).topk(2 * beams)
+            cands += [(toks + (int(i),), score + float(v)) for v, i in zip(top.values, top.indices)]
+        running = sorted(cands, key=lambda c: -c[1])[:beams]
+    assert any(h < seen for seen, h in held if seen > 10 + 4)  # the reference caches did compress
+    got = [tuple(row[ids.shape[1]:].tolist()) for row in out.sequences]
+    assert got == [toks for toks, _ in running]
+    assert out.sequences_scores.tolist() == pytest.approx([score for _, score in running], abs=1e-4)
+    assert len(set(got)) == beams
 
 
 def test_crop():

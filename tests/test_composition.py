@@ -20,7 +20,7 @@ from kvcompose.blocks import (
     CAM, AggregatedAttention, CompositeTokens, DuoHeads, HeadCurves, CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore, MergeSimilar,
     NonCausalAttention, OutputProjection, Rotary,
 )
-from kvcompose.models import tiny_model
+from kvcompose.bench.tiny import tiny_model
 
 MODEL = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
 RANDOM_BLOCKS = (RandomDrop, Sample, RandomScore, LeverageScore, Compactor, CAM)

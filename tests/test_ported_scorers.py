@@ -17,7 +17,7 @@ from kvcompose.blocks import (
     CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore, NonCausalAttention,
     OutputProjection, Rotary,
 )
-from kvcompose.models import tiny_model
+from kvcompose.bench.tiny import tiny_model
 
 ROPE = Rotary.default(8, theta=100.0)
 
@@ -491,7 +491,7 @@ def test_every_ported_preset_runs_in_generate(name):
     from kvcompose import KVComposeCache, methods
 
     model = _preset_model()
-    kw = {"lagkv": {"lag": 8}, "chunkkv": {"base": methods.snapkv(window=8)},
+    kw = {"lagkv": {"lag": 8}, "chunkkv": {"base": methods.snapkv(window=8)}, "adakv": {"base": methods.snapkv(window=8)},
           "duo_attention": {"profile": {"head_scores": [[0.9, 0.1], [0.2, 0.8]]}},
           "lukv": {"curves": (torch.rand(99, 2, 2, generator=torch.Generator().manual_seed(0)) * 0.8).tolist()}}.get(name, {})
     pipe = methods.preset(name, model=model, **kw)

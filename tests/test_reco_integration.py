@@ -1,6 +1,6 @@
 """ReCo wired into the cache and generate(): RewardAllocator, methods.reco, budgets that follow the reward.
 
-Tiny random models (kvcompose.models.tiny_model) and fake tokenizers; the step rewards are scripted so the
+Tiny random models (kvcompose.bench.tiny.tiny_model) and fake tokenizers; the step rewards are scripted so the
 expected budgets are known exactly.
 """
 
@@ -18,7 +18,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaL
 from kvcompose import KVComposeCache, KVComposeError, Pipeline, methods
 from kvcompose.allocators import HeadUtility, Pyramid
 from kvcompose.methods.reco import Reco, RewardAllocator
-from kvcompose.models import tiny_model
+from kvcompose.bench.tiny import tiny_model
 from kvcompose.stores import PagedStore
 from kvcompose.reco import (
     ConfidenceStopping,

@@ -7,7 +7,7 @@ import torch
 
 from kvcompose import KVComposeError
 from kvcompose.bench import throughput as tp
-from kvcompose.models import tiny_model
+from kvcompose.bench.tiny import tiny_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
@@ -45,11 +45,20 @@ def test_run_throughput_compressed_batch_is_larger_and_fits(tmp_path):
     rows = {r["method"]: r for r in data["rows"]}
     assert set(rows) == {"full", "tova", "streaming_llm"}
     assert rows["tova"]["batch"] > rows["full"]["batch"] >= 1
+    per_tok, mem = tp.bytes_per_token(model.config, torch.float32), data["kv_memory_bytes"]
+    # the plan: the full cache holds the longest prompt plus every new token; a compressing cache its bound
+    assert rows["full"]["held_bound"] == 14 + 48
+    assert rows["tova"]["held_bound"] >= tp.held_bound("tova", 14, 48, 16, 8)
     for r in rows.values():
         assert r["error"] is None and r["fits"], r
-        assert r["peak_alloc_bytes"] <= data["kv_memory_bytes"]
-        assert r["steps"] == 48 and r["tokens_per_s"] > 0
-    assert rows["full"]["vs_full"] == 1.0 and rows["tova"]["batch_vs_full"] > 1
+        assert r["batch"] == tp.plan_batch(mem, per_tok, r["held_bound"], 24)
+        assert r["peak_alloc_bytes"] <= r["planned_bytes"] == r["batch"] * r["held_bound"] * per_tok <= mem
+        assert r["steps"] == 48
+        # rates are tokens of the whole batch over decode time, ratios against the full cache's row
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 48 / r["decode_seconds"])
+        assert r["vs_full"] == pytest.approx(r["tokens_per_s"] / rows["full"]["tokens_per_s"])
+        assert r["batch_vs_full"] == pytest.approx(r["batch"] / rows["full"]["batch"])
+    assert rows["tova"]["batch_vs_full"] > 1
     assert json.loads((tmp_path / "throughput.json").read_text())["rows"][1]["batch"] == rows["tova"]["batch"]
     assert (tmp_path / "throughput.png").stat().st_size > 1000
     assert "| tova |" in (tmp_path / "throughput.md").read_text()

@@ -13,7 +13,7 @@ from kvcompose import (
 )
 from kvcompose.attention import attend, build_mask
 from kvcompose.methods import with_tier
-from kvcompose.models import tiny_model
+from kvcompose.bench.tiny import tiny_model
 from kvcompose.selectors import priority_order
 from kvcompose.tiers import quantization_error_bound
 from kvcompose.view import LayerSpec
@@ -117,7 +117,7 @@ def test_merge_is_bit_identical_to_all_hbm(b, h, g, t, q, hot_frac, dt, seed):
     hot, cold = allt.take(hot_idx), allt.take(tier_idx)
     tier = HostTier()
     state = tier.store(_init(tier, cold), cold, seen, _kept(cold, n_hot))
-    fetched = Prefetcher().fetch(tier, state, "layer 0", torch.device("cpu"))
+    fetched = Prefetcher().fetch(tier, state, "layer 0")
     if t == n_hot:
         assert fetched is None
         return

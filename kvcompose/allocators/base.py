@@ -61,8 +61,8 @@ def round_to_total(raw: Float[Tensor, "*batch N"], total: Int[Tensor, "*batch"])
 
 
 def _round_list(raw: list[float], total: int) -> list[int]:
-    t = torch.tensor(raw, dtype=torch.float64)
-    return [int(x) for x in round_to_total(t, torch.tensor(total))]
+    t = torch.tensor(raw, dtype=torch.float64, device="cpu")  # host arithmetic on a schedule
+    return [int(x) for x in round_to_total(t, torch.tensor(total, device="cpu"))]
 
 
 def _check_budget(budget: Any, who: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -271,16 +272,17 @@ class GrowPage(Allocator):
             )
 
     # -- the trigger ------------------------------------------------------------------------------------
-    def due(self, state: Any, lengths: Int[Tensor, "B H"], limits: Int[Tensor, "B H"] | None, decoded: int,
-            interval: int) -> Bool[Tensor, " B"]:
-        """Rows whose pages are full: some KV head holds `pages * page` slots (`EventTrigger`)."""
-        pages = state.get("pages") if isinstance(state, dict) else None
-        held = lengths.amax(-1)
+    def due(self, state: Any, lengths: np.ndarray, limits: np.ndarray | None, decoded: int,
+            interval: int) -> np.ndarray:
+        """Rows whose pages are full: some KV head holds `pages * page` slots (`EventTrigger`); all on the
+        host (the page counts are mirrored in the state at every event)."""
+        pages = state.get("pages_host") if isinstance(state, dict) else None
+        held = np.asarray(lengths).max(-1)
         if pages is not None and pages.shape == held.shape:
             return held >= pages * self.page_size
         if limits is None:
-            return torch.zeros_like(held, dtype=torch.bool)
-        return held >= limits.amax(-1)
+            return np.zeros(held.shape, dtype=bool)
+        return held >= np.asarray(limits).max(-1)
 
     # -- summaries --------------------------------------------------------------------------------------
     @staticmethod
@@ -388,8 +390,15 @@ class GrowPage(Allocator):
         compress = act & (held >= ceiling)
         state["compressed"] = state.get("compressed", 0) + int(compress.sum())
         state["pages"] = pages
+        state["pages_host"] = pages.cpu().numpy()  # what `due` reads at every step, without a host sync
         out = torch.where(compress, ceiling - self.room, ceiling)
         return out[:, None].expand(b, h).contiguous(), state
+
+    def map_rows(self, state: Any, fn, batch: int) -> Any:
+        state = super().map_rows(state, fn, batch)
+        if isinstance(state, dict) and "pages" in state:
+            state = {**state, "pages_host": state["pages"].cpu().numpy()}
+        return state
 
     def __repr__(self) -> str:
         return (f"GrowPage(page={self.page_size}, initial={self.initial:g}, cap={self.cap:g}, room={self.room}, "

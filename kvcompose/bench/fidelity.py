@@ -48,14 +48,17 @@ from torch import Tensor
 
 from ..view import KVComposeError
 from .data import load_questions
-from .metrics import extract_answer, gsm8k_answer, kl_divergence, perplexity_ratio, top1_agreement
+from .metrics import (
+    BOOTSTRAP_RESAMPLES, bootstrap_mean, extract_answer, gsm8k_answer, kl_divergence, perplexity_ratio, top1_agreement,
+)
 from .traces import RECALL_INSTRUCTION, RepetitionGuard, Trace, make_traces, prompt_ids, recall_ids
 
 __all__ = [
     "Trace", "TraceScore", "FidelityResult", "FreeGenResult", "FreeGenRow", "RepetitionGuard",
     "load_questions", "make_traces", "evaluate", "free_generation", "extract_answer", "gsm8k_answer",
     "kl_divergence", "top1_agreement", "perplexity_ratio", "recall_ids", "teacher_force_logits", "evaluate_trace",
-    "clear_reference_cache", "RECALL_INSTRUCTION",
+    "clear_reference_cache", "RECALL_INSTRUCTION", "evaluate_batch", "hidden_references", "HiddenReference",
+    "head_logits",
 ]
 
 _prompt_ids = prompt_ids  # the old private name, still used by benchmark scripts
@@ -229,10 +232,20 @@ class FidelityResult:
     def merge(cls, results: Iterable["FidelityResult"]) -> "FidelityResult":
         return cls([t for r in results for t in r.traces])
 
+    def intervals(self, level: float = 0.95, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> dict[str, Any]:
+        """Percentile bootstrap intervals over traces (prompts) of the pooled mean KL and top-1
+        (`kvcompose.bench.metrics.bootstrap_mean`, seeded): `{"kl_ci": [lo, hi], "top1_ci": [lo, hi], ...}`."""
+        if not self.traces:
+            return {}
+        counts = [len(t.kl) for t in self.traces]
+        return {"kl_ci": list(bootstrap_mean([sum(t.kl) for t in self.traces], counts, level, resamples, seed)),
+                "top1_ci": list(bootstrap_mean([sum(t.top1) for t in self.traces], counts, level, resamples, seed)),
+                "ci_level": level, "ci_resamples": resamples, "ci_seed": seed}
+
     def summary(self, bucket: int = 64) -> dict[str, Any]:
-        """The numbers as a JSON-ready dict."""
+        """The numbers as a JSON-ready dict (with 95% bootstrap intervals over traces, `intervals`)."""
         return {
-            "top1": self.top1, "kl_mean": self.kl_mean, "ppl_ratio": self.ppl_ratio,
+            "top1": self.top1, "kl_mean": self.kl_mean, **self.intervals(), "ppl_ratio": self.ppl_ratio,
             "max_held_tokens": self.max_held_tokens, "max_kv_bytes": self.max_kv_bytes, "kv_ratio": self.kv_ratio,
             "recall_delta": self.recall_delta, "n_traces": len(self.traces), "n_tokens": self.n_tokens,
             "kl_curve": self.kl_curve(bucket), "kl_curve_bucket": bucket, "seconds": round(self.seconds, 3),
@@ -336,6 +349,242 @@ def evaluate(model, traces: list[Trace], make_cache: Callable[[], Any], chunk: i
 
     scores = [evaluate_trace(model, t, make_cache(), chunk) for t in tqdm(traces, disable=not progress, leave=False)]
     return FidelityResult(scores)
+
+
+# ------------------------------------------------------------------------------------ batched teacher forcing
+def _decoder(model):
+    """The model without its output head (its forward returns `last_hidden_state`)."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if dec is None or dec is model:
+        raise KVComposeError(f"{type(model).__name__} has no separate decoder (get_decoder()): batched teacher "
+                             "forcing needs one")
+    return dec
+
+
+def head_logits(model, hidden: Tensor) -> Tensor:
+    """The model's output logits (float32) from final hidden states `[..., hidden]`: the output embedding,
+    then the final logit soft-capping of the config if it has one (Gemma 2)."""
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
+                  "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+@dataclass
+class HiddenReference:
+    """The full cache's run of one trace, kept as final hidden states (85x smaller than log-probs for
+    SmolLM2's 49k vocabulary); `logp(start, n)` recomputes the log-probs of positions `start .. start+n`
+    through the output head (`head_logits`).
+
+    Attributes: `hidden` `[T, hidden]` float32 (row t predicts `trace_ids[t]`), `nll` `[T]`, `recall` (the
+    recall probe's mean log-prob of the question, or None)."""
+
+    hidden: Tensor
+    nll: Tensor
+    recall: float | None
+
+    def logp(self, model, start: int, n: int) -> Tensor:
+        h = self.hidden[start : start + n].to(device=_device(model), dtype=model.dtype)
+        return torch.log_softmax(head_logits(model, h), dim=-1).cpu()
+
+
+def _pad_left(rows: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """(ids [B, W], 2-D mask [B, W], position ids [B, W]) of left-padded rows."""
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos
+
+
+def _pad_right(rows: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([list(r) + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    return ids, mask
+
+
+def _pad_id(model) -> int:
+    pid = model.generation_config.pad_token_id
+    if isinstance(pid, list):
+        pid = pid[0] if pid else None
+    return 0 if pid is None else int(pid)
+
+
+class _BatchRun:
+    """Left-padded rows fed through one cache: `prefill`, then `feed` chunks of one token column per row;
+    `hidden` states come back per row, logits are computed by the caller (`head_logits`)."""
+
+    def __init__(self, model, cache, prompts: list[list[int]]):
+        self.model, self.cache = model, cache
+        self.dec = _decoder(model)
+        self.device = _device(model)
+        self.lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        ids, self.mask, pos = _pad_left(prompts, _pad_id(model), self.device)
+        self.width = ids.shape[1]
+        self.pads = (self.width - self.lengths).tolist()
+        self.fed = 0  # trace tokens fed after the prompt
+        self.prefill_hidden = self._forward(ids, pos, keep_last=True)[:, -1]
+
+    def _forward(self, ids: Tensor, pos: Tensor, keep_last: bool = False) -> Tensor:
+        padded = bool((self.mask == 0).any())
+        out = self.dec(input_ids=ids, attention_mask=self.mask if padded else None, position_ids=pos,
+                       past_key_values=self.cache, use_cache=True)
+        return out.last_hidden_state
+
+    def feed(self, cols: Tensor, valid: Tensor | None = None) -> Tensor:
+        """Feed `cols` `[B, n]` (right-padded where `valid` `[B, n]` is 0); returns hidden `[B, n, hidden]`."""
+        n = cols.shape[1]
+        add = torch.ones(cols.shape, dtype=torch.long, device=self.device) if valid is None else valid.long()
+        self.mask = torch.cat([self.mask, add], dim=1)
+        pos = self.lengths[:, None] + self.fed + torch.arange(n, device=self.device)
+        self.fed += n
+        return self._forward(cols.to(self.device), pos)
+
+
+def _check_head(model, logits: Tensor, hidden: Tensor) -> None:
+    """Refuse a model whose logits are not `head_logits` of its decoder's hidden states."""
+    mine = head_logits(model, hidden)
+    if not torch.allclose(mine, logits.float(), atol=1e-4, rtol=1e-4):
+        raise KVComposeError(
+            f"{type(model).__name__}: its logits are not the output embedding of the decoder's last hidden "
+            f"state (max difference {float((mine - logits.float()).abs().max()):.2e}); batched teacher forcing "
+            "does not support this model")
+
+
+@torch.no_grad()
+def hidden_references(model, traces: list[Trace], batch_size: int = 8, chunk: int = 256) -> list[HiddenReference]:
+    """Full-cache references of `traces` (a `DynamicCache` per batch of `batch_size` left-padded rows, chunks
+    of `chunk` tokens): final hidden states, the NLL of every trace token and the recall probe."""
+    from transformers import DynamicCache
+
+    out: list[HiddenReference] = []
+    if traces:  # the head must be what the model applies to its decoder's output
+        x = torch.tensor([traces[0].prompt_ids], dtype=torch.long, device=_device(model))
+        _check_head(model, model(input_ids=x, logits_to_keep=1).logits[0, -1],
+                    _decoder(model)(input_ids=x).last_hidden_state[0, -1])
+    for s in range(0, len(traces), batch_size):
+        group = traces[s : s + batch_size]
+        _same_length(group)
+        run = _BatchRun(model, DynamicCache(config=model.config), [t.prompt_ids for t in group])
+        parts = [run.prefill_hidden[:, None]]
+        ids = torch.tensor([t.trace_ids[:-1] for t in group], dtype=torch.long)
+        for c in range(0, ids.shape[1], chunk):
+            parts.append(run.feed(ids[:, c : c + chunk]))
+        hidden = torch.cat(parts, dim=1).float()  # [B, T, hidden]
+        recall = _recall_batch(model, run, group)
+        for b, t in enumerate(group):
+            h = hidden[b].cpu()
+            nll = torch.cat([-torch.log_softmax(head_logits(model, h[c : c + chunk].to(run.device, model.dtype)), -1)
+                             .cpu().gather(1, torch.tensor(t.trace_ids[c : c + chunk])[:, None])[:, 0]
+                             for c in range(0, h.shape[0], chunk)])
+            out.append(HiddenReference(hidden=h, nll=nll, recall=recall[b]))
+    return out
+
+
+def _same_length(group: list[Trace]) -> int:
+    lens = {len(t.trace_ids) for t in group}
+    if len(lens) != 1:
+        raise KVComposeError(f"a batch of traces must have equally long traces, got lengths {sorted(lens)}")
+    for t in group:
+        if not t.trace_ids or not t.prompt_ids:
+            raise KVComposeError(f"trace {t.id!r} needs a non-empty prompt and trace")
+    return lens.pop()
+
+
+def _recall_batch(model, run: _BatchRun, group: list[Trace]) -> list[float | None]:
+    """The recall probe after each row's trace (rows right-padded to the longest probe)."""
+    seqs = [[t.trace_ids[-1], *t.recall_ids, *t.recall_target_ids[:-1]] if t.recall_ids and t.recall_target_ids
+            else [t.trace_ids[-1]] for t in group]
+    if all(len(q) == 1 for q in seqs):
+        return [None] * len(group)
+    ids, valid = _pad_right(seqs, _pad_id(model), run.device)
+    hidden = run.feed(ids, valid)
+    out: list[float | None] = []
+    for b, t in enumerate(group):
+        if not (t.recall_ids and t.recall_target_ids):
+            out.append(None)
+            continue
+        start = len(t.recall_ids)
+        h = hidden[b, start : start + len(t.recall_target_ids)]
+        lp = torch.log_softmax(head_logits(model, h), dim=-1)
+        tgt = torch.tensor(t.recall_target_ids, device=lp.device)
+        out.append(float(lp.gather(1, tgt[:, None]).mean()))
+    return out
+
+
+def _row_peak(cache, b: int, rows: int, seen: int) -> tuple[int, int, int]:
+    held, kv, full = _peak(cache, seen)
+    return held, kv // rows, full // rows
+
+
+@torch.no_grad()
+def evaluate_batch(model, traces: list[Trace], make_cache: Callable[[], Any], chunk: int | None = None,
+                   references: list[HiddenReference] | None = None, on_chunk: Callable[[Any, int], None] | None = None
+                   ) -> list[TraceScore]:
+    """Teacher-force a batch of traces through ONE cache from `make_cache()`, one forward per chunk for all
+    rows, and score each row against its full-cache reference.
+
+    Rows are left-padded to the longest prompt (the 2-D padding mask and per-row position ids are passed to
+    the model); the trace tokens then go in chunks of `chunk` tokens (default: the cache's compression
+    interval), the same column of every row in one forward call. Every row's budget and compression events
+    are those of the row alone: the schedule counts decoded tokens, which are the same for every row, and
+    blocks skip padding slots (tests/test_bench_batched.py compares rows with single runs). Exceptions:
+    random selectors and scorers (RandomDrop, Sample, RandomScore, ProjectedNorm's draws) draw one tensor
+    for the whole batch from the layer's generator, so row `b`'s draws differ from its single run's (the
+    same distribution, other numbers).
+
+    Args:
+        traces: equally long traces (`trace_ids`); any prompt lengths.
+        make_cache: returns the cache for the whole batch.
+        references: their `hidden_references` (computed here if None).
+        on_chunk: called as `on_chunk(cache, fed)` after every chunk (tests read kept positions there).
+
+    Returns one `TraceScore` per trace; peak KV bytes are the batch's divided by the number of rows, and
+    `seconds` is the batch's time divided likewise.
+    """
+    n_steps = _same_length(traces)
+    if references is None:
+        references = hidden_references(model, traces, batch_size=len(traces))
+    if len(references) != len(traces):
+        raise KVComposeError(f"{len(references)} references for {len(traces)} traces")
+    cache = make_cache()
+    chunk = _check_chunk(cache, chunk)
+    t0 = time.perf_counter()
+    rows = len(traces)
+    run = _BatchRun(model, cache, [t.prompt_ids for t in traces])
+    tgt = [torch.tensor(t.trace_ids) for t in traces]
+    top1: list[list[float]] = [[] for _ in traces]
+    kl: list[list[float]] = [[] for _ in traces]
+    nll: list[list[float]] = [[] for _ in traces]
+
+    def score(start: int, hidden: Tensor) -> None:  # hidden [B, n, hidden]: row b predicts trace_ids[start:]
+        n = hidden.shape[1]
+        for b in range(rows):
+            lp = torch.log_softmax(head_logits(model, hidden[b]), dim=-1).cpu()
+            lr = references[b].logp(model, start, n)
+            top1[b].extend(top1_agreement(lr, lp).tolist())
+            kl[b].extend(kl_divergence(lr, lp).tolist())
+            nll[b].extend((-lp.gather(1, tgt[b][start : start + n, None])[:, 0]).tolist())
+
+    score(0, run.prefill_hidden[:, None])
+    ids = torch.tensor([t.trace_ids[:-1] for t in traces], dtype=torch.long)
+    for s in range(0, n_steps - 1, chunk):
+        score(s + 1, run.feed(ids[:, s : s + chunk]))
+        if on_chunk is not None:
+            on_chunk(cache, run.fed)
+    seen = run.width + n_steps - 1
+    peaks = [_row_peak(cache, b, rows, seen) for b in range(rows)]
+    recall = _recall_batch(model, run, traces)
+    seconds = (time.perf_counter() - t0) / rows
+    if hasattr(cache, "close"):
+        cache.close()
+    return [TraceScore(id=t.id, kind=t.kind, top1=top1[b], kl=kl[b], nll=nll[b], nll_full=references[b].nll.tolist(),
+                       max_held_tokens=int(peaks[b][0]), max_kv_bytes=int(peaks[b][1]), full_kv_bytes=int(peaks[b][2]),
+                       recall_logprob=recall[b], recall_logprob_full=references[b].recall, seconds=seconds)
+            for b, t in enumerate(traces)]
 
 
 # ------------------------------------------------------------------------------------ free generation

@@ -1,8 +1,9 @@
 """The side-by-side with NVIDIA kvpress: kvpress 0.5.5 pins transformers < 5.3, so it runs in its own
-virtualenv (`.venv-kvpress`) through `benchmarks/kvpress_side.py` as a subprocess. kvcompose writes the
-traces it teacher-forces (`{"model", "items": [{"id", "prompt_ids", "trace_ids"}]}`), the script teacher-forces
-the same tokens one decoding step at a time under `kvpress.DecodingPress` and reports, per press and budget,
-top-1 / mean KL / perplexity ratio against its own full-cache run, which are merged into kvcompose's tables.
+virtualenv (`.venv-kvpress`, docs/kvpress.md) through `kvpress_side.py` (shipped in `kvcompose.bench.external`)
+as a subprocess. kvcompose writes the traces it teacher-forces (`{"model", "items": [{"id", "prompt_ids",
+"trace_ids"}]}`), the script teacher-forces the same tokens one decoding step at a time under
+`kvpress.DecodingPress` and reports, per press and budget, top-1 / mean KL / perplexity ratio against its own
+full-cache run, which are merged into kvcompose's tables.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .external import display_command
 from .fidelity import Trace
 
 __all__ = ["default_script", "write_traces", "start_kvpress", "finish_kvpress", "run_kvpress", "kvpress_rows",
@@ -21,8 +23,10 @@ __all__ = ["default_script", "write_traces", "start_kvpress", "finish_kvpress", 
 
 
 def default_script() -> Path:
-    """`benchmarks/kvpress_side.py` of the source checkout this package is imported from."""
-    return Path(__file__).resolve().parents[2] / "benchmarks" / "kvpress_side.py"
+    """`kvpress_side.py`, shipped in `kvcompose.bench.external` (it runs in the kvpress virtualenv)."""
+    from .external import script
+
+    return script("kvpress_side")
 
 
 def write_traces(path: str | os.PathLike, model: str, traces: list[Trace]) -> None:
@@ -53,7 +57,7 @@ def start_kvpress(python: str, traces_path: str | os.PathLike, out_path: str | o
     script = Path(script) if script else default_script()
     if not Path(python).exists():
         return None, (f"kvpress side-by-side skipped: {python} not found (create the .venv-kvpress virtualenv, "
-                      "see benchmarks/README_kvpress.md)")
+                      "see docs/kvpress.md)")
     if not script.exists():
         return None, f"kvpress side-by-side skipped: {script} not found"
     cmd = _command(python, traces_path, out_path, budgets, presses, interval, script, model_dir, threads, max_items)
@@ -61,7 +65,7 @@ def start_kvpress(python: str, traces_path: str | os.PathLike, out_path: str | o
     env.pop("PYTHONPATH", None)  # the kvpress venv must not import this checkout's kvcompose
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     proc = subprocess.Popen(cmd, env=env, stdout=log or sys.stderr, stderr=subprocess.STDOUT)
-    return proc, " ".join(cmd)
+    return proc, display_command(cmd)
 
 
 def finish_kvpress(proc: subprocess.Popen, out_path: str | os.PathLike, command: str) -> tuple[dict | None, str | None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .speed import plot_speed, speed_markdown
+from .speed_report import plot_speed, speed_markdown
 from .steptime import steptime_markdown
 from .throughput import plot_throughput, throughput_markdown
 

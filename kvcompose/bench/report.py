@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["slug", "fidelity_markdown", "speed_markdown", "plot_fidelity", "plot_kl_curves", "plot_speed", "fmt"]
+__all__ = ["ci", "slug", "fidelity_markdown", "speed_markdown", "plot_fidelity", "plot_kl_curves", "plot_speed", "fmt"]
 
 
 def fmt(x: Any, digits: int = 3) -> str:
@@ -24,6 +24,14 @@ def fmt(x: Any, digits: int = 3) -> str:
             return f"{x:.1e}"
         return f"{x:.{digits}f}"
     return str(x)
+
+
+def ci(row: dict[str, Any], key: str, digits: int = 4) -> str:
+    """` [lo, hi]` of a row's bootstrap interval `key` (e.g. "kl_ci"), or "" when the row has none."""
+    v = row.get(key)
+    if not v or len(v) != 2:
+        return ""
+    return f" [{fmt(v[0], digits)}, {fmt(v[1], digits)}]"
 
 
 def slug(text: str) -> str:
@@ -103,7 +111,8 @@ def fidelity_markdown(data: dict[str, Any]) -> str:
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
     for kind in kinds:
         kr = [r for r in rows if r["kind"] == kind]
-        out.append(f"### {_title(kind)}: top-1 agreement / mean KL(full || method) in nats")
+        out.append(f"### {_title(kind)}: top-1 agreement / mean KL(full || method) in nats"
+                   + (" [95% bootstrap interval over prompts]" if any("kl_ci" in r for r in kr) else ""))
         out.append("")
         out.append("| method | " + " | ".join(f"B={b}" for b in budgets) + " |")
         out.append("|---|" + "---|" * len(budgets))
@@ -113,18 +122,19 @@ def fidelity_markdown(data: dict[str, Any]) -> str:
                 r = next((x for x in kr if x["engine"] == eng and x["method"] == m and x["budget"] == b), None)
                 if r is None and m == "full":
                     r = next((x for x in kr if x["engine"] == eng and x["method"] == m), None)
-                cells.append("-" if r is None else f"{fmt(r['top1'])} / {fmt(r['kl_mean'], 4)}")
+                cells.append("-" if r is None else f"{fmt(r['top1'])} / {fmt(r['kl_mean'], 4)}{ci(r, 'kl_ci', 4)}")
             out.append(f"| {_label(eng, m)} | " + " | ".join(cells) + " |")
         out.append("")
     out.append("### All metrics")
     out.append("")
-    out.append("| engine | method | budget | trace | top-1 | KL (nats) | ppl ratio | max held | peak KV MiB | KV / full | recall Δ logprob |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    out.append("| engine | method | budget | trace | prompts | top-1 | KL (nats) | ppl ratio | max held | peak KV MiB | KV / full | recall Δ logprob |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         kv = r.get("max_kv_bytes")
         out.append(
-            f"| {r['engine']} | {r['method']} | {fmt(r['budget'])} | {r['kind']} | {fmt(r['top1'])} | "
-            f"{fmt(r['kl_mean'], 4)} | {fmt(r['ppl_ratio'])} | {fmt(r.get('max_held_tokens'))} | "
+            f"| {r['engine']} | {r['method']} | {fmt(r['budget'])} | {r['kind']} | {fmt(r.get('n_traces'))} | "
+            f"{fmt(r['top1'])}{ci(r, 'top1_ci', 3)} | "
+            f"{fmt(r['kl_mean'], 4)}{ci(r, 'kl_ci', 4)} | {fmt(r['ppl_ratio'])} | {fmt(r.get('max_held_tokens'))} | "
             f"{fmt(kv / 2**20, 2) if kv else '-'} | {fmt(r.get('kv_ratio'))} | {fmt(r.get('recall_delta'))} |"
         )
     errs = [r for r in data["rows"] if "error" in r]

@@ -63,7 +63,15 @@ class FidelityConfig:
     kvpress_max_items: int | None = None
     kvpress_parallel: bool = True
     kvpress_json: str | None = None
+    kvpress_inprocess: bool = False  # run kvpress_presses in this process (kvpress installed here), batched
     traces: str | None = None
+    batch_size: int = 1  # > 1: batched teacher forcing (kvcompose: left padding; kvpress: equal prompt lengths)
+    groups: int = 0  # > 0: select_prompt_groups(groups, group_size, select_seed) instead of n_prompts/offset
+    group_size: int = 8
+    select_seed: int = 0
+    exclude: list[str] | None = None  # traces.json files whose questions are not selected (held-out sets)
+    pipelines: list[str] | str | None = None  # Python files with PIPELINES = {name: callable(budget) -> Pipeline}
+    references: str | None = None  # folder of full-cache references (hidden states), reused across runs
     kl_bucket: int = 64
     threads: int | None = None
     out: str = "runs/fidelity"
@@ -95,6 +103,28 @@ def render(out: str | os.PathLike) -> list[Path]:
 
     written += _render_perf(out)
     return written
+
+
+def _portable(value: Any) -> Any:
+    """A config value without machine paths: an absolute path (or a list of them) becomes its file name."""
+    if isinstance(value, list):
+        return [_portable(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        return Path(value).name
+    return value
+
+
+def _press_rows(results: dict, engine: str, cfg: FidelityConfig, prompt_lengths: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for (m, b, kind), scores in results.items():
+        if scores:
+            r = FidelityResult(scores).summary(cfg.kl_bucket)
+            per_trace = [{"id": t.id, "top1": round(FidelityResult([t]).top1, 5),
+                          "kl_mean": round(FidelityResult([t]).kl_mean, 6)} for t in scores]
+            rows.append({"engine": engine, "method": m, "budget": b, "kind": kind, "regime": _regime(b, prompt_lengths),
+                         "pipeline": f"DecodingPress({m}, compression_interval={cfg.interval or 64}, target_size={b})",
+                         "interval": cfg.interval or 64, **r, "per_trace": per_trace})
+    return rows
 
 
 def _truncate(score, n: int):
@@ -145,6 +175,49 @@ def select_questions(tok, path: str, n: int, offset: int, min_prompt_tokens: int
         out += [q for q in batch if len(prompt_ids(tok, q["question"])) >= min_prompt_tokens]
         start += 256
     return out[:n]
+
+
+def select_prompt_groups(tok, path: str, n_groups: int = 4, group_size: int = 8, seed: int = 0,
+                         exclude: set[str] | frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """A seeded, length-grouped sample of questions: `n_groups` groups of `group_size` questions whose chat
+    prompts have the same token length (the selection of `kvcompose bench fidelity --groups`).
+
+    The rule: shuffle every record of `path` with `random.Random(seed)`; walk the shuffled order, skipping
+    ids in `exclude`; put each question in the group of its chat-prompt length (`prompt_ids`); a group
+    that reaches `group_size` questions is complete and its length takes no more questions; stop at
+    `n_groups` complete groups. Returned group by group, in the order the groups completed, each group in
+    walk order.
+
+    Why groups of equal length: kvpress's presses score every slot of the cache, padding included, so a
+    left-padded batch is not the same computation as its rows alone; a group of equal-length prompts needs
+    no padding, and kvpress can score it in one forward per step exactly as it scores each prompt alone.
+    kvcompose's batches need no such grouping (its blocks skip padding), but use the same questions.
+    """
+    import random
+
+    if n_groups <= 0 or group_size <= 0:
+        raise KVComposeError(f"n_groups and group_size must be positive, got {n_groups} and {group_size}")
+    records = load_questions(path)
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    groups: dict[int, list[dict[str, Any]]] = {}
+    done: list[int] = []
+    for i in order:
+        q = records[i]
+        if q["id"] in exclude:
+            continue
+        n = len(prompt_ids(tok, q["question"]))
+        if n in done:
+            continue
+        groups.setdefault(n, []).append(q)
+        if len(groups[n]) == group_size:
+            done.append(n)
+            if len(done) == n_groups:
+                break
+    if len(done) < n_groups:
+        raise KVComposeError(f"{path} has only {len(done)} prompt lengths with {group_size} unused questions, "
+                             f"{n_groups} groups were asked for")
+    return [q for n in done for q in groups[n]]
 
 
 def _start_kvpress(cfg: FidelityConfig, traces: list[Trace], model_name: str, out: Path, log) -> dict[str, Any]:
@@ -219,36 +292,207 @@ def _finish_kvpress(kp: dict[str, Any], cfg: FidelityConfig, results, pipelines,
     return rows
 
 
+def load_pipelines(path: str | os.PathLike) -> dict[str, Any]:
+    """The `PIPELINES` dict of a Python file: `{name: callable(budget) -> Pipeline}` (how `kvcompose bench
+    fidelity --pipelines FILE` adds compositions to the presets; see benchmarks/compositions.py)."""
+    import importlib.util
+
+    p = Path(path)
+    if not p.exists():
+        raise KVComposeError(f"pipelines file {str(p)!r} not found")
+    spec = importlib.util.spec_from_file_location(f"kvcompose_pipelines_{p.stem}", p)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    table = getattr(mod, "PIPELINES", None)
+    if not isinstance(table, dict) or not all(callable(v) for v in table.values()):
+        raise KVComposeError(f"{p} must define PIPELINES = {{name: callable(budget) -> Pipeline}}")
+    return table
+
+
+def _known(name: str, custom: dict[str, Any]) -> bool:
+    return name in _methods.PRESETS or name in getattr(_methods, "PORTED", {}) or name in custom
+
+
+def _pipeline(name: str, budget: int | None, custom: dict[str, Any], model=None):
+    """The pipeline `name`: from a pipelines file (`fn(budget)`, or `fn(budget, model=model)` when it takes a
+    `model`), a preset ported from kvpress (`methods.preset(name, model=model)`: some need the model's rotary
+    embedding or output projections), or a preset at its published defaults (`make_pipeline`)."""
+    import inspect
+
+    from ..pipeline import Pipeline
+
+    if name in custom:
+        fn = custom[name]
+        try:
+            takes_model = "model" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            takes_model = False
+        pipe = fn(budget, model=model) if takes_model else fn(budget)
+        if not isinstance(pipe, Pipeline):
+            raise KVComposeError(f"pipeline {name!r} returned {type(pipe).__name__}, not a kvcompose Pipeline")
+        return pipe
+    if name not in _methods.PRESETS and name in getattr(_methods, "PORTED", {}):
+        return _methods.preset(name, model=model)
+    return make_pipeline(name, budget)
+
+
+# ------------------------------------------------------------------------------------------ references
+def _trace_key(model_name: str, dtype: str, t: Trace) -> str:
+    import hashlib
+
+    h = hashlib.sha256(json.dumps([model_name, dtype, t.prompt_ids, t.trace_ids, t.recall_ids, t.recall_target_ids]
+                                  ).encode()).hexdigest()
+    return h[:24]
+
+
+def references_for(model, traces: list[Trace], store: str | os.PathLike | None, model_name: str, dtype: str,
+                   batch_size: int = 8, log=print) -> dict[str, Any]:
+    """`{trace id: HiddenReference}`: loaded from `store` (one file per trace, keyed by model, dtype and the
+    trace's tokens) or computed with `hidden_references` (batched over equal prompt lengths) and saved there."""
+    from .fidelity import HiddenReference, hidden_references
+    from .kvpress_fidelity import press_batches
+
+    out: dict[str, Any] = {}
+    todo = []
+    folder = Path(store) if store else None
+    for t in traces:
+        f = folder / f"{_trace_key(model_name, dtype, t)}.pt" if folder else None
+        if f is not None and f.exists():
+            d = torch.load(f, weights_only=True)
+            out[t.id] = HiddenReference(hidden=d["hidden"], nll=d["nll"], recall=d["recall"])
+        else:
+            todo.append(t)
+    if todo:
+        t0 = time.perf_counter()
+        for group in press_batches(todo, batch_size):
+            for t, ref in zip(group, hidden_references(model, group, batch_size=len(group))):
+                out[t.id] = ref
+                if folder is not None:
+                    folder.mkdir(parents=True, exist_ok=True)
+                    f = folder / f"{_trace_key(model_name, dtype, t)}.pt"
+                    tmp = f.with_suffix(".tmp")
+                    torch.save({"hidden": ref.hidden, "nll": ref.nll, "recall": ref.recall}, tmp)
+                    os.replace(tmp, f)
+        log(f"full-cache references of {len(todo)} traces in {time.perf_counter() - t0:.0f}s")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ cells (resume)
+def _cell_path(out: Path, engine: str, method: str, budget: int | None) -> Path:
+    import re
+
+    safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", f"{engine}__{method}__{budget}")
+    return out / "cells" / f"{safe}.jsonl"
+
+
+def _round(xs: list[float]) -> list[float]:
+    return [float(f"{x:.7g}") for x in xs]
+
+
+def _save_scores(path: Path, scores: list, cell: tuple[str, str, int | None]) -> None:
+    from dataclasses import asdict
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for sc in scores:
+            d = asdict(sc)
+            for k in ("top1", "kl", "nll", "nll_full"):
+                d[k] = _round(d[k])
+            f.write(json.dumps({"engine": cell[0], "method": cell[1], "budget": cell[2], **d}) + "\n")
+
+
+def _read_cell(path: Path) -> tuple[tuple[str, str, int | None] | None, dict[str, Any]]:
+    """`((engine, method, budget), {trace id: TraceScore})` of a cell file (lines cut by a killed run are skipped:
+    their batch runs again)."""
+    from dataclasses import fields
+
+    from .fidelity import TraceScore
+
+    names = {f.name for f in fields(TraceScore)}
+    done: dict[str, Any] = {}
+    cell = None
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                cell = (d.get("engine"), d.get("method"), d.get("budget"))
+                done[d["id"]] = TraceScore(**{k: v for k, v in d.items() if k in names})
+    return cell, done
+
+
+def _load_scores(path: Path) -> dict[str, Any]:
+    return _read_cell(path)[1]
+
+
+def _kvpress_engine() -> str:
+    import importlib.metadata as md
+
+    from .kvpress_fidelity import kvpress_version
+
+    return f"kvpress {kvpress_version()} / transformers {md.version('transformers')}"
+
+
 def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
-    """Run the fidelity benchmark described by `cfg`; returns the JSON-ready result (also written to cfg.out)."""
+    """Run the fidelity benchmark described by `cfg`; returns the JSON-ready result (also written to cfg.out).
+
+    With `batch_size > 1` traces are teacher-forced in batches (`evaluate_batch`; kvpress presses with
+    `kvpress_inprocess`, `evaluate_press_batch`), against full-cache references kept as hidden states
+    (`references` folder, reused across runs). Every finished (engine, method, budget, batch) is appended to
+    `out/cells/*.jsonl`: rerunning the same command resumes where a killed run stopped."""
     from tqdm.auto import tqdm
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.batch_size < 1:
+        raise KVComposeError(f"batch_size must be >= 1, got {cfg.batch_size}")
     data_path = cfg.data or default_data_path()
-    if data_path is None:
+    if data_path is None and not cfg.traces:
         resolve_questions(None, None)  # raises the error that names --data, --dataset and $KVCOMPOSE_GSM8K
+    custom: dict[str, Any] = {}
+    for f in [cfg.pipelines] if isinstance(cfg.pipelines, str) else (cfg.pipelines or []):
+        custom.update(load_pipelines(f))
     for m in cfg.methods:
-        if m not in _methods.PRESETS:
-            raise KVComposeError(f"unknown method {m!r}; presets: {', '.join(_methods.PRESETS)}")
-    for b in cfg.budgets:
-        for m in cfg.methods:
-            if m != "full":
-                make_pipeline(m, b).validate(b)
+        if not _known(m, custom):
+            raise KVComposeError(f"unknown method {m!r}; presets: "
+                                 f"{', '.join([*_methods.PRESETS, *getattr(_methods, 'PORTED', {})])}"
+                                 + (f"; from {cfg.pipelines}: {', '.join(custom)}" if custom else ""))
+    presses = list(cfg.kvpress_presses or []) if cfg.kvpress_inprocess else []
+    if presses:
+        from .kvpress_fidelity import PRESSES
+
+        bad = [p for p in presses if p not in PRESSES]
+        if bad:
+            raise KVComposeError(f"unknown kvpress presses {bad}; known: {', '.join(PRESSES)}")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     log(f"loading model {cfg.model or 'SmolLM2-135M-Instruct (GGUF)'} ...")
     model, tok = load_model(cfg.model, cfg.dtype, cfg.device)
     model_name = cfg.model or "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
-    want = max(cfg.n_prompts, cfg.free_gen_prompts)
-    selected = select_questions(tok, data_path, want, cfg.offset, cfg.min_prompt_tokens)
-    if len(selected) < want:
-        log(f"note: only {len(selected)} usable questions in {data_path}")
-    questions = selected[: cfg.n_prompts]
+    for b in cfg.budgets:
+        for m in cfg.methods:
+            if m != "full":
+                _pipeline(m, b, custom, model).validate(b)
+    exclude: set[str] = set()
+    for f in cfg.exclude or []:
+        exclude |= {d["id"].split("/")[0] for d in json.loads(Path(f).read_text())["items"]}
+    selected: list[dict[str, Any]] = []
+    if data_path is not None and not (cfg.traces and not cfg.free_gen_prompts):
+        if cfg.groups:
+            selected = select_prompt_groups(tok, data_path, cfg.groups, cfg.group_size, cfg.select_seed, exclude)
+        else:
+            want = max(cfg.n_prompts, cfg.free_gen_prompts)
+            selected = select_questions(tok, data_path, want, cfg.offset, cfg.min_prompt_tokens)
+            if len(selected) < want:
+                log(f"note: only {len(selected)} usable questions in {data_path}")
+    n_prompts = cfg.groups * cfg.group_size if cfg.groups else cfg.n_prompts
+    questions = selected[:n_prompts]
     chosen = {q["question"] for q in selected}
-    pool = [q for q in load_questions(data_path, cfg.pool + want, cfg.offset) if q["question"] not in chosen][: cfg.pool] \
-        if "worked" in cfg.kinds else None
+    pool = [q for q in load_questions(data_path, cfg.pool + len(selected), cfg.offset) if q["question"] not in chosen][: cfg.pool] \
+        if "worked" in cfg.kinds and data_path is not None else None
 
     traces: list[Trace] = []
     t0 = time.perf_counter()
@@ -256,16 +500,17 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
     if cfg.traces:  # reuse the references of an earlier run (same model): the first n_prompts of each kind
         saved = [Trace.from_dict(d) for d in json.loads(Path(cfg.traces).read_text())["items"]]
         for kind in cfg.kinds:
-            traces += [t for t in saved if t.kind == kind][: cfg.n_prompts]
+            traces += [t for t in saved if t.kind == kind][: n_prompts]
         log(f"reusing {len(traces)} traces from {cfg.traces}")
     else:
         for kind in cfg.kinds:
             traces += make_traces(model, tok, questions, new_tokens=cfg.new_tokens, kind=kind, seed=cfg.seed,
                                   temperature=cfg.temperature, top_p=cfg.top_p, repetition_guard=guard, pool=pool,
-                                  progress=True)
+                                  batch_size=cfg.group_size if cfg.groups else 8, progress=True)
     trace_seconds = time.perf_counter() - t0
-    (out / "traces.json").write_text(json.dumps(
-        {"model": model_name, "items": [t.to_dict() | {"text": tok.decode(t.trace_ids)} for t in traces]}, indent=1))
+    if not cfg.traces or not (out / "traces.json").exists():
+        (out / "traces.json").write_text(json.dumps(
+            {"model": model_name, "items": [t.to_dict() | {"text": tok.decode(t.trace_ids)} for t in traces]}, indent=1))
     log(f"{len(traces)} traces of {max((len(t.trace_ids) for t in traces), default=0)} tokens in "
         f"{trace_seconds:.0f}s -> {out / 'traces.json'}")
 
@@ -273,18 +518,31 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
     if kp is not None and not cfg.kvpress_parallel and "result" not in kp:
         kp["result"] = _wait_kvpress(kp)
 
-    combos: list[tuple[str, int | None]] = [("full", None)] if "full" in cfg.methods else []
-    combos += [(m, b) for m in cfg.methods if m != "full" for b in cfg.budgets]
+    combos: list[tuple[str, str, int | None]] = [("kvcompose", "full", None)] if "full" in cfg.methods else []
+    combos += [("kvcompose", m, b) for m in cfg.methods if m != "full" for b in cfg.budgets]
+    kv_engine = _kvpress_engine() if presses else ""
+    combos += [(kv_engine, p, b) for p in presses for b in (cfg.kvpress_budgets or cfg.budgets)]
     pipelines: dict[tuple[str, int | None], str] = {}
     intervals: dict[tuple[str, int | None], int | None] = {}  # the interval each row ran at
     results: dict[tuple[str, int | None, str], list] = {}
+    press_results: dict[tuple[str, int | None, str], list] = {}
     data: dict[str, Any] = {
-        "config": {**cfg.__dict__, "data": data_path, "model": model_name},
+        "config": {**{k: _portable(v) for k, v in cfg.__dict__.items()}, "data": data_path and Path(data_path).name,
+                   "command": " ".join(_portable(x) for x in cfg.command.split()),
+                   "model": model_name},
         "versions": versions(), "device": str(cfg.device), "threads": torch.get_num_threads(),
         "prompt_lengths": [len(t.prompt_ids) for t in traces],
         "trace_seconds": trace_seconds, "rows": [], "notes": [],
     }
-    errors: dict[tuple[str, int | None], str] = {}
+    if presses:
+        from .kvpress_fidelity import kvpress_version
+
+        data["versions"]["kvpress"] = kvpress_version()
+    if cfg.groups:
+        data["selection"] = {"rule": "select_prompt_groups", "groups": cfg.groups, "group_size": cfg.group_size,
+                             "seed": cfg.select_seed, "excluded": len(exclude),
+                             "questions": sorted({t.id.split("/")[0] for t in traces})}
+    errors: dict[tuple[str, str, int | None], str] = {}
     # the short regime (budgets below the prompt length) is scored on the first `short_tokens` trace tokens
     short = {t.id: t if not cfg.short_tokens or len(t.trace_ids) <= cfg.short_tokens else
              Trace(**{**t.to_dict(), "id": f"{t.id}[:{cfg.short_tokens}]", "trace_ids": t.trace_ids[: cfg.short_tokens]})
@@ -292,37 +550,95 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
     # interleave kinds (sampled-0, worked-0, sampled-1, ...) so a partial run covers every kind
     by_kind = [[t for t in traces if t.kind == k] for k in cfg.kinds]
     traces = [t for group in zip(*by_kind) for t in group] + [t for g in by_kind for t in g[min(map(len, by_kind)):]]
-    bar = tqdm(total=len(traces) * len(combos), desc="fidelity", unit="run", dynamic_ncols=True)
-    for trace in traces:
-        for m, b in combos:
-            bar.set_postfix_str(f"{trace.id} {m}@{b}")
-            if (m, b) not in errors:
-                try:
-                    pipe = make_pipeline(m, b)
-                    pipelines[(m, b)] = repr(pipe)
-                    cache = KVComposeCache(model, pipe, budget=b, interval=cfg.interval, seed=cfg.seed)
-                    intervals[(m, b)] = cache.interval if pipe.compresses else None
-                    tr = short[trace.id] if b in cfg.short_budgets else trace
-                    results.setdefault((m, b, trace.kind), []).append(evaluate_trace(model, tr, cache))
-                except Exception as e:  # noqa: BLE001 - one failing method must not lose the others' results
-                    errors[(m, b)] = f"{type(e).__name__}: {e}"
-                    log(f"{m}@{b} failed on {trace.id}: {errors[(m, b)]}")
-            bar.update(1)
-        data["rows"] = _rows(results, pipelines, cfg.kl_bucket, data["prompt_lengths"], intervals) + [
-            {"engine": "kvcompose", "method": m, "budget": b, "kind": "-", "error": e} for (m, b), e in errors.items()]
+    refs: dict[str, Any] = {}
+    if cfg.batch_size > 1 or presses:
+        needed = {b in cfg.short_budgets for _, _, b in combos}
+        refs = references_for(model, (list(traces) if False in needed or not combos else [])
+                              + ([short[t.id] for t in traces if short[t.id] is not t] if True in needed else []),
+                              cfg.references, model_name, cfg.dtype, batch_size=max(cfg.batch_size, 8), log=log)
+
+    from .fidelity import evaluate_batch
+    from .kvpress_fidelity import evaluate_press_batch, make_press, press_batches
+
+    def batches(engine: str, budget: int | None) -> list[list[Trace]]:
+        items = [short[t.id] if budget in cfg.short_budgets else t for t in traces]
+        if engine == "kvcompose" and cfg.batch_size == 1:
+            return [[t] for t in items]
+        return press_batches(items, cfg.batch_size)
+
+    def refresh() -> None:
+        data["rows"] = _rows(results, pipelines, cfg.kl_bucket, data["prompt_lengths"], intervals) + \
+            _press_rows(press_results, kv_engine, cfg, data["prompt_lengths"]) + [
+            {"engine": e, "method": m, "budget": b, "kind": "-", "error": err} for (e, m, b), err in errors.items()]
         data["elapsed_s"] = time.perf_counter() - t_start
         _write(out, data)
+
+    # cells of earlier invocations into the same folder (other methods or budgets) stay in the tables
+    ids = {t.id for t in traces} | {short[t.id].id for t in traces}
+    for path in sorted((out / "cells").glob("*.jsonl")):
+        cell, done = _read_cell(path)
+        if cell is None or cell in combos or cell[0] is None:
+            continue
+        sink = results if cell[0] == "kvcompose" else press_results
+        for sc in done.values():
+            if sc.id in ids:
+                sink.setdefault((cell[1], cell[2], sc.kind), []).append(sc)
+        if cell[0] != "kvcompose":
+            kv_engine = kv_engine or cell[0]
+    refresh()
+
+    total = sum(len(batches(e, b)) for e, _, b in combos)
+    bar = tqdm(total=total, desc="fidelity", unit="batch", dynamic_ncols=True)
+    for engine, m, b in combos:
+        cell = _cell_path(out, engine, m, b)
+        done = _load_scores(cell)
+        sink = results if engine == "kvcompose" else press_results
+        if engine == "kvcompose":
+            pipe = _pipeline(m, b, custom, model) if m != "full" else _methods.full()
+            pipelines[(m, b)] = repr(pipe)
+            intervals[(m, b)] = (cfg.interval or pipe.interval or 64) if pipe.compresses else None
+        for group in batches(engine, b):
+            bar.set_postfix_str(f"{m}@{b} {group[0].id}" + (f" +{len(group) - 1}" if len(group) > 1 else ""))
+            if (engine, m, b) in errors:
+                bar.update(1)
+                continue
+            try:
+                if all(t.id in done for t in group):
+                    scores = [done[t.id] for t in group]
+                elif engine == "kvcompose":
+                    # a fresh pipeline per cache: a pipeline file may hold per-cache state (an emulation)
+                    make = lambda: KVComposeCache(model, _pipeline(m, b, custom, model) if m != "full" else pipe,  # noqa: E731
+                                                  budget=b, interval=cfg.interval, seed=cfg.seed)
+                    if len(group) == 1 and cfg.batch_size == 1:
+                        cache = make()
+                        scores = [evaluate_trace(model, group[0], cache)]
+                        cache.close()
+                    else:
+                        scores = evaluate_batch(model, group, make, references=[refs[t.id] for t in group])
+                    _save_scores(cell, scores, (engine, m, b))
+                else:
+                    press = make_press(m, b, interval=cfg.interval or 64, seed=cfg.seed)
+                    scores = evaluate_press_batch(model, group, press, [refs[t.id] for t in group])
+                    _save_scores(cell, scores, (engine, m, b))
+                for t, sc in zip(group, scores):
+                    sink.setdefault((m, b, t.kind), []).append(sc)
+            except Exception as e:  # noqa: BLE001 - one failing method must not lose the others' results
+                errors[(engine, m, b)] = f"{type(e).__name__}: {e}"
+                log(f"{m}@{b} failed on {group[0].id}: {errors[(engine, m, b)]}")
+            bar.update(1)
+            refresh()
     bar.close()
+    refresh()
 
     # ---- free generation
-    if cfg.free_gen_prompts > 0 and cfg.free_gen_budgets:
+    if cfg.free_gen_prompts > 0 and cfg.free_gen_budgets and selected:
         fq = selected[: cfg.free_gen_prompts]
         fg_rows = []
         fcombos = [(m, b) for m in cfg.methods if m != "full" for b in cfg.free_gen_budgets]
         for m, b in tqdm(fcombos, desc="free generation", unit="run", dynamic_ncols=True):
-            if (m, b) in errors:
+            if ("kvcompose", m, b) in errors:
                 continue
-            pipe = make_pipeline(m, b)
+            pipe = _pipeline(m, b, custom, model)
             try:
                 res = free_generation(model, tok, fq, lambda: KVComposeCache(model, pipe, budget=b, interval=cfg.interval,
                                                                               seed=cfg.seed),

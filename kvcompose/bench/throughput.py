@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from ..view import KVComposeError
-from .speed import Contender, decode_interleaved, full_cache, summarize
+from .decode import Contender, decode_interleaved, full_cache
+from .speed_report import summarize
 
 __all__ = ["ThroughputConfig", "bytes_per_token", "held_bound", "plan_batch", "batch_prompts", "run_throughput",
            "throughput_markdown", "plot_throughput"]

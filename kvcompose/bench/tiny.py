@@ -1,5 +1,7 @@
-"""A tiny random chat model with a character-level tokenizer and a ChatML template, for tests, examples and
-docs that must run in seconds without the real model. Its text is gibberish; the code paths are real."""
+"""Tiny randomly initialised models for tests, examples and docs that must run in seconds without the real
+model (and without a model hub): `tiny_model` (any of the supported architectures) and `tiny_chat_model`
+(with a character-level tokenizer and a ChatML template, usable as `--model DIR` on the command line).
+Their text is gibberish; the code paths are real."""
 
 from __future__ import annotations
 
@@ -8,13 +10,52 @@ import string
 
 import torch
 
-__all__ = ["tiny_chat_model", "save_tiny_chat_model", "CHATML_TEMPLATE"]
+from ..view import KVComposeError
+
+__all__ = ["tiny_model", "tiny_chat_model", "save_tiny_chat_model", "CHATML_TEMPLATE", "ARCHS"]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_model(arch: str = "llama", *, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+               vocab: int = 128, seed: int = 0, dtype: torch.dtype = torch.float32, init_std: float = 0.2,
+               attn_implementation: str = "sdpa"):
+    """A small randomly initialised causal LM of one of the supported architectures.
+
+    `init_std` is larger than usual so that logits are peaked and greedy decoding is stable under the
+    float noise of different (but equivalent) attention kernels.
+    """
+    from transformers import (
+        LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+        Qwen3Config, Qwen3ForCausalLM,
+    )
+
+    table = {
+        "llama": (LlamaConfig, LlamaForCausalLM, {}),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": head_dim}),
+        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    }
+    if arch not in table:
+        raise KVComposeError(f"unknown architecture {arch!r}; choose one of {sorted(table)}")
+    cfg_cls, model_cls, extra = table[arch]
+    cfg = cfg_cls(
+        vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=4096, initializer_range=init_std, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=None, pad_token_id=0, **extra,
+    )
+    cfg._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
 
 
 def _tokenizer():
@@ -38,8 +79,6 @@ def _tokenizer():
 def tiny_chat_model(arch: str = "llama", layers: int = 2, seed: int = 0, dtype: torch.dtype = torch.float32):
     """`(model, tokenizer)`: a random `tiny_model` (vocab 128) whose end-of-sequence id is 2 (`<|im_end|>`),
     with a character-level tokenizer and a ChatML chat template like SmolLM2's."""
-    from ..models import tiny_model
-
     tok = _tokenizer()
     model = tiny_model(arch, layers=layers, vocab=128, seed=seed, dtype=dtype, init_std=0.05)
     model.config.eos_token_id = 2

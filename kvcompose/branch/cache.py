@@ -37,10 +37,8 @@ Shapes: B batch rows (all rows share one tree), H KV heads, Hq query heads, n to
 
 from __future__ import annotations
 
-import inspect
 import math
-import weakref
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from jaxtyping import Int
@@ -55,20 +53,16 @@ from ..pipeline import Pipeline
 from ..prefetch import Prefetcher
 from ..scorers import AccumulatedAttention, Scorer
 from ..selectors import TopK
-from ..stores import StoreView
-from ..tiers import Evict, HostTier, TierStore
-from ..view import FAR_POSITION, KVComposeError
+from ..tiers import HostTier, TierStore
+from ..view import KVComposeError
+from .budget import BudgetMixin
+from .forward import ForwardHooks, ForwardMixin
 from .tree import BranchLayer, BranchMemory, _Node
 
 __all__ = ["BranchCache"]
 
 
-def _remove_handles(handles: list) -> None:
-    for h in handles:
-        h.remove()
-
-
-class BranchCache(Cache):
+class BranchCache(ForwardMixin, BudgetMixin, Cache):
     """A branch-aware KV cache for tree search: shared prefixes stored once, inactive branches compressed.
 
     Example:
@@ -191,8 +185,6 @@ class BranchCache(Cache):
         _attn.install(model, owner=self)
         windows = {a.index: a.sliding_window for a in self.attention.layers if a.kind == "sliding"}
         layers = [BranchLayer(self.core, i, self, sliding_window=windows.get(i)) for i in range(self.num_layers)]
-        for layer in layers:
-            layer.peers = layers
         super().__init__(layers=layers)
         # the tree
         self._next_node = 0
@@ -211,26 +203,8 @@ class BranchCache(Cache):
         self._resuming = False
         self.compressions = 0
         self._peak = {"device": 0, "held": 0, "host": 0, "total": 0}
-        # hooks: capture token ids / position ids, rehydrate lazily, enforce the budget after each forward
-        ref = weakref.ref(self)
-
-        # A dead cache's finalizer may remove these hooks while torch is already iterating over them (garbage
-        # collection inside a forward); torch then calls them without kwargs, so both accept that and do nothing.
-        def pre(module, args, kwargs=None):
-            c = ref()
-            if c is not None and kwargs is not None and compat.forward_cache(kwargs) is c:
-                c._before_forward(kwargs)
-
-        def post(module, args, *rest):
-            c = ref()
-            kwargs = rest[0] if len(rest) == 2 else None
-            if c is not None and kwargs is not None and compat.forward_cache(kwargs) is c:
-                c._after_forward()
-
-        handles = [model.register_forward_pre_hook(pre, with_kwargs=True),
-                   model.register_forward_hook(post, with_kwargs=True)]
-        self._hooks = handles
-        self._finalizer = weakref.finalize(self, _remove_handles, handles)
+        # capture token ids / position ids, rehydrate lazily, enforce the budget after each forward
+        self._hooks = ForwardHooks(model, self)
 
     # -- public API ---------------------------------------------------------------------------------
     @property
@@ -264,7 +238,7 @@ class BranchCache(Cache):
     def switch(self, branch: int) -> None:
         """Make `branch` active. Its compressed nodes are rehydrated lazily, before the next forward."""
         node = self._node_of(branch, "switch to")
-        if self._recompute_path is not None:
+        if self.is_recomputing:
             raise KVComposeError("cannot switch branches during a recomputation")
         if branch == self._active:
             return
@@ -331,8 +305,9 @@ class BranchCache(Cache):
         if any(not n.ids_known for n in path):
             raise KVComposeError("some tokens of this branch were fed without input_ids; their ids are unknown")
         if not path:
-            return torch.empty(1, 0, dtype=torch.long)
-        return torch.cat([torch.cat(n.ids, dim=1) for n in path], dim=1)
+            dev = self.layers[0].device if self.layers[0].is_initialized else "cpu"
+            return torch.empty(1, 0, dtype=torch.long, device=dev)
+        return torch.cat([torch.cat(n.ids, dim=1) for n in path], dim=1)  # on the model's device
 
     def is_compressed(self, branch: int) -> bool:
         """True when some node on the branch's path holds only part of its tokens on the device."""
@@ -373,19 +348,6 @@ class BranchCache(Cache):
                 freed += self._compress_node(n)
         return freed
 
-    def rehydrate(self) -> None:
-        """Restore the active path now (otherwise done lazily before the next forward on it)."""
-        if not self._pending:
-            return
-        self._pending = False
-        path = self._path()
-        missing = sum(n.n - n.segs[0].held() for n in path if n.compressed)
-        self._enforce_budget(extra=missing)
-        for i, node in enumerate(path):
-            if node.compressed:
-                self._restore_node(node, path[: i + 1])
-        self._track()
-
     def memory(self) -> BranchMemory:
         """Bytes on the device and on the host now, their peaks, and what per-branch copies would hold."""
         layer0 = self.layers[0]
@@ -403,10 +365,11 @@ class BranchCache(Cache):
     def close(self) -> None:
         """Remove the forward hooks from the model and give it its previous attention implementation back
         (both also done when the cache is garbage-collected)."""
-        self._finalizer()
+        self._hooks.remove()
         _attn.release(self)
 
     kvcompose_attention = True  # kvcompose.attention routes calls that carry this cache to its layers
+    kvcompose_missed: str | None = None  # set by kvcompose.attention when an update's attention never ran
 
     def activate_past_recording(self, *args, **kwargs):
         """Called by transformers (5.23+) before assisted / prompt-lookup decoding: refused."""
@@ -421,7 +384,7 @@ class BranchCache(Cache):
         return self._seq_length()
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
-        return self.layers[layer_idx].get_mask_sizes(query_length)
+        return _attn.expect_mask(self, self.layers[layer_idx].get_mask_sizes(query_length))
 
     def reset(self) -> None:
         raise KVComposeError("a BranchCache cannot be reset; create a new one")
@@ -473,227 +436,3 @@ class BranchCache(Cache):
             parent.children.discard(node)
             node.parent = None
             node = parent
-
-    # -- internals: forward -------------------------------------------------------------------------
-    def _before_forward(self, kwargs: dict) -> None:
-        if self._recompute_path is not None:
-            return
-        self._incoming = {"input_ids": kwargs.get("input_ids"), "position_ids": kwargs.get("position_ids")}
-        if self._pending:
-            self.rehydrate()
-
-    def _after_forward(self) -> None:
-        _attn.check_consumed(self)  # a layer whose attention never ran (implementation switched) raises now
-        if self._recompute_path is not None:
-            return
-        self._incoming = {}
-        self._track()
-        self._enforce_budget()
-
-    def _begin_write(self, q: int) -> None:
-        """Layer 0 of a forward: restore the path if needed, open a node (copy-on-write), record ids."""
-        if self._recompute_path is not None:
-            self._recompute_path[-1].n += q
-            return
-        if self._pending:  # a forward that bypassed the model's hooks (e.g. called on model.model)
-            self.rehydrate()
-        if self._resuming:  # the first forward on a compressed branch in "resume" mode: decoded as it is
-            self._resuming = False
-            self.rehydrations["resumed"] += 1
-        node = self._branches[self._active]
-        if node.sealed:
-            child = self._new_node(node)
-            self._branches[self._active] = child
-            node.branches.discard(self._active)
-            child.branches.add(self._active)
-            self._path_cache = None
-            node = child
-        ids = self._incoming.get("input_ids")
-        pos_ids = self._incoming.get("position_ids")
-        b = self.layers[0].batch_size if self.layers[0].is_initialized else 1
-        if isinstance(ids, Tensor) and ids.dim() == 2 and ids.shape[1] == q and node.ids_known:
-            node.ids.append(ids.detach().to("cpu", torch.long).expand(max(b, ids.shape[0]), q))
-        else:
-            node.ids_known = False
-        if isinstance(pos_ids, Tensor) and pos_ids.dim() == 2 and pos_ids.shape[-1] == q:
-            node.pos_ids.append(pos_ids.detach().to("cpu", torch.long).expand(max(b, pos_ids.shape[0]), q))
-        else:
-            node.pos_ids.append(torch.arange(node.end, node.end + q).expand(max(b, 1), q))
-        node.n += q
-        self._incoming = {}
-
-    # -- internals: accounting ----------------------------------------------------------------------
-    def _totals(self) -> tuple[int, int, int]:
-        device = held = host = 0
-        for node in self._all_nodes():
-            for seg in node.segs:
-                if seg.store is not None:
-                    device += seg.store.allocated_bytes()
-                    held += seg.store.nbytes()
-                if seg.tier:
-                    host += sum(self.tier.nbytes(seg.tier).values())
-        return device, held, host
-
-    def _held_tokens(self, layer_idx: int) -> int:
-        return sum(n.segs[layer_idx].held() for n in self._all_nodes())
-
-    def _track(self) -> None:
-        device, held, host = self._totals()
-        self._peak["device"] = max(self._peak["device"], device)
-        self._peak["held"] = max(self._peak["held"], held)
-        self._peak["host"] = max(self._peak["host"], host)
-        self._peak["total"] = max(self._peak["total"], device + host)
-
-    # -- internals: compression and rehydration -----------------------------------------------------
-    def _node_values(self) -> dict[_Node, float]:
-        """Per live node, the best value of the live branches whose path passes through it."""
-        out: dict[_Node, float] = {}
-        for b, node in self._branches.items():
-            v = self._values.get(b, math.inf)
-            while node is not None:
-                if out.get(node, -math.inf) < v:
-                    out[node] = v
-                node = node.parent
-        return out
-
-    def _keep_target(self, node: _Node) -> int:
-        """Tokens a compressed node keeps on the device (per layer, row and KV head): `ceil(keep * n)`, at
-        least `min_keep` and at least what the pipeline's fixed-count protectors keep."""
-        k = max(self.min_keep, math.ceil(self.keep * node.n))
-        while k < node.n and not self._fits(k):
-            k += 1
-        return k
-
-    def _fits(self, k: int) -> bool:
-        """True when the pipeline can compress a node to `k` tokens: the fixed-count protectors fit, and so do
-        the allocator's per-layer and per-head shares of `k` (e.g. `HeadUtility`'s floor per head)."""
-        fits = self._fit_cache.get(k)
-        if fits is None:
-            fits = self.pipeline.fixed_protection(k) <= k
-            if fits:
-                try:
-                    self.pipeline.allocator.check(self.pipeline.replace(Evict(), name=self.pipeline.name), k,
-                                                  self.num_layers, self._kv_heads)
-                except KVComposeError:
-                    fits = False
-            self._fit_cache[k] = fits
-        return fits
-
-    def compression_order(self) -> list[int]:
-        """Ids of the inactive nodes that can still be compressed, in the order the budget would compress
-        them (the active path never appears)."""
-        return [n.id for n in self._candidates()]
-
-    def _candidates(self) -> list[_Node]:
-        active = set(self._path())
-        nodes = [n for n in self._all_nodes()
-                 if n not in active and n.n > self.min_keep and n.segs[0].held() > self._keep_target(n)]
-        if self.priority == "value":
-            values = self._node_values()
-            nodes.sort(key=lambda n: (values.get(n, -math.inf), n.last_used, n.id))
-        else:
-            nodes.sort(key=lambda n: (n.last_used, n.id))
-        return nodes
-
-    def _enforce_budget(self, extra: int = 0) -> None:
-        """Compress inactive nodes in `priority` order until the device holds at most `budget` tokens."""
-        if self.budget is None or self._recompute_path is not None:
-            return
-        over = max(self._held_tokens(i) for i in range(self.num_layers)) + extra - self.budget
-        if over <= 0:
-            return
-        for node in self._candidates():
-            over -= self._compress_node(node)
-            if over <= 0:
-                break
-        self._track()
-
-    def _compress_node(self, node: _Node) -> int:
-        """Keep `ceil(keep * n)` tokens of every layer of an inactive node; the rest go to the tier. Returns
-        the tokens freed in layer 0."""
-        k = self._keep_target(node)
-        if k >= node.n or node.segs[0].held() <= k:
-            return 0
-        holds = self.tier.holds_tokens
-        if holds and self.host_limit is not None:
-            bytes_out = (node.n - k) * self.layers[0].bytes_per_token() * self.num_layers
-            if self._totals()[2] + bytes_out > self.host_limit:
-                holds = False
-        if not holds and not node.ids_known and self.rehydrate_mode == "exact":
-            return 0  # cannot be recomputed: leave it whole
-        if not holds and node.compressed and self.tier.holds_tokens:
-            return 0  # its tier already holds some of its tokens: evicting the rest would leave copies there
-        pipeline = self.pipeline if holds else self.pipeline.replace(Evict(), name=self.pipeline.name)
-        freed = 0
-        for layer_idx, seg in enumerate(node.segs):
-            before = seg.held()
-            self.layers[layer_idx].compress(seg, budget=k, pipeline=pipeline)
-            seg.store.trim()
-            if layer_idx == 0:
-                freed = before - seg.held()
-        node.compressed = True
-        self.compressions += 1
-        self._track()
-        return freed
-
-    def _restore_node(self, node: _Node, path: list[_Node]) -> None:
-        """Bring a node of the active path back whole: tier tokens merged by position, evicted ones recomputed."""
-        fetched_any = False
-        for layer_idx, seg in enumerate(node.segs):
-            layer = self.layers[layer_idx]
-            fetched = self.tier.fetch(seg.tier) if seg.tier else None
-            if fetched is None or not fetched.n:
-                continue
-            fetched_any = True
-            v = seg.store.view()
-            m = Prefetcher.merge(v.keys, v.values, v.positions, v.valid, seg.store.read_channels(), fetched)
-            lengths = (m.positions < FAR_POSITION).sum(-1)
-            seg.store.assign(StoreView(m.keys, m.values, m.positions, m.valid), m.channels, lengths)
-            seg.tier = self.tier.init(layer.spec)
-        if fetched_any:
-            self.rehydrations["host"] += 1
-        if any(seg.held() < node.n or bool((seg.store.lengths < node.n).any()) for seg in node.segs):
-            self._recompute(node, path)
-        node.compressed = False
-
-    def _recompute(self, node: _Node, path: list[_Node]) -> None:
-        """Recompute a node's tokens from the first missing one, from their token ids over the restored path."""
-        if not node.ids_known:
-            raise KVComposeError(f"cannot recompute node {node.id}: its tokens were fed without input_ids")
-        e = node.n
-        for seg in node.segs:
-            pos = seg.store.view().positions - node.start
-            ar = torch.arange(pos.shape[-1], device=pos.device)
-            contiguous = (pos == ar).to(torch.int64).cumprod(dim=-1).sum(dim=-1)
-            e = min(e, int(contiguous.min()) if contiguous.numel() else 0)
-        total = node.n
-        for seg in node.segs:
-            store = seg.store
-            keep = torch.arange(e, device=store.lengths.device).expand(*store.lengths.shape, e)
-            store.compact(keep.contiguous())
-            store.trim()
-            seg.n = e
-            seg.ring.crop(node.start + e)
-        ids = torch.cat(node.ids, dim=1)[:, e:]
-        pos_ids = torch.cat(node.pos_ids, dim=1)[:, e:]
-        valid = [torch.cat(n.tok_valid, dim=1) for n in path if n.tok_valid]
-        mask = torch.cat(valid, dim=1)[:, : node.end] if valid else None
-        dev = self.layers[0].device
-        node.n = e
-        self._recompute_path = path
-        try:
-            kwargs: dict[str, Any] = dict(input_ids=ids.to(dev), position_ids=pos_ids.to(dev), use_cache=True,
-                                          **{compat.cache_argument(self.model): self})
-            if mask is not None and mask.shape[1] == total + node.start:
-                kwargs["attention_mask"] = mask.to(dev, torch.long)
-            if "logits_to_keep" in inspect.signature(self.model.forward).parameters:
-                kwargs["logits_to_keep"] = 1
-            with torch.no_grad():
-                self.model(**kwargs)
-        finally:
-            self._recompute_path = None
-        if node.n != total:
-            raise KVComposeError(f"recomputation of node {node.id} ended at {node.n} tokens, expected {total}")
-        self._trim(node)
-        self.rehydrations["recomputed"] += 1
-        self.rehydrations["recomputed_tokens"] += total - e

@@ -19,14 +19,18 @@ __all__ = ["BranchLayer", "BranchMemory"]
 
 
 class _Node:
-    """A node of the segment tree: `n` tokens at positions `[start, start + n)` of every path through it."""
+    """A node of the segment tree: `n` tokens at positions `[start, start + n)` of every path through it.
+
+    A node holds its children; its parent only weakly (no reference cycle: a dropped cache frees its stores
+    without waiting for the garbage collector)."""
 
     def __init__(self, nid: int, parent: "_Node | None", num_layers: int):
         self.id = nid
+        self._parent = None
         self.parent = parent
         self.start = 0 if parent is None else parent.end
         self.n = 0
-        self.ids: list[Tensor] = []  # [B, q] chunks of token ids
+        self.ids: list[Tensor] = []  # [B, q] chunks of token ids (on the model's device)
         self.pos_ids: list[Tensor] = []  # [B, q] chunks of model position ids
         self.tok_valid: list[Tensor] = []  # [B, q] chunks, False = padding
         self.ids_known = True
@@ -38,6 +42,14 @@ class _Node:
         self.last_used = 0
         if parent is not None:
             parent.children.add(self)
+
+    @property
+    def parent(self) -> "_Node | None":
+        return None if self._parent is None else self._parent()
+
+    @parent.setter
+    def parent(self, node: "_Node | None") -> None:
+        self._parent = None if node is None else weakref.ref(node)
 
     @property
     def end(self) -> int:
@@ -142,7 +154,7 @@ class BranchLayer(ComposeLayer):
                            "num_return_sequences are not supported; branch with fork())")
         q = key_states.shape[2]
         if self.layer_idx == 0:
-            tree._begin_write(q)
+            tree.begin_write(q)
         node = tree._path()[-1]
         seg = node.segs[self.layer_idx]
         if seg.n + q != node.n:
@@ -154,12 +166,10 @@ class BranchLayer(ComposeLayer):
 
     def attend(self, query: Float[Tensor, "B Hq Q D"], mask2d: Tensor | None, scale: float,
                sliding_window: int | None = None, **features: Any) -> Float[Tensor, "B Q Hq D"]:
-        tree = self.tree
-        if self.layer_idx == 0 and tree._recompute_path is None:
+        if self.layer_idx == 0:  # the padding flags of the forward's tokens, kept on the device
             q = query.shape[2]
-            valid = (torch.ones(query.shape[0], q, dtype=torch.bool) if mask2d is None
-                     else mask2d[:, -q:].to("cpu", torch.bool))
-            tree._path()[-1].tok_valid.append(valid)
+            self.tree.record_padding(torch.ones(query.shape[0], q, dtype=torch.bool, device=self.device)
+                                     if mask2d is None else mask2d[:, -q:].to(self.device, torch.bool))
         return super().attend(query, mask2d, scale, sliding_window, **features)
 
     def get_seq_length(self, *args, **kwargs) -> int:

@@ -96,18 +96,51 @@ def key_redundancy(keys: Tensor, valid: Tensor, threshold: float = 0.5, chunk: O
     return masked_softmax(col / n, valid)
 
 
+def run_sums(x: Tensor, seg: Tensor, longest: int) -> Tensor:
+    """Deterministic sums of ``x`` [..., T] over runs of equal ``seg`` (non-decreasing ids in
+    [0, T), runs at most ``longest`` slots long), indexed by run id: ``out[..., s]`` is the sum
+    of the run with id ``s`` (0 for ids no run has). Each run is added up left to right, the
+    order of a sequential ``scatter_add_``, with no atomics (bit-identical on every backend)."""
+    t = x.shape[-1]
+    acc = torch.zeros_like(x)
+    for k in range(min(longest, t)):
+        same = seg[..., k:] == seg[..., : t - k]
+        acc[..., : t - k] += torch.where(same, x[..., k:], torch.zeros_like(x[..., k:]))
+    start = torch.ones_like(seg, dtype=torch.bool)
+    start[..., 1:] = seg[..., 1:] != seg[..., :-1]
+    out = x.new_zeros((*x.shape[:-1], t + 1))
+    return out.scatter_(-1, torch.where(start, seg, torch.full_like(seg, t)), acc)[..., :t]
+
+
+def sums_by_index(values: Tensor, index: Tensor, n: int) -> Tensor:
+    """Deterministic ``zeros(..., n).scatter_add_(-1, index, values)`` for float ``values`` [..., K]
+    and ``index`` [..., K] in [0, n): a stable sort by index, a float64 prefix sum, and
+    differences at run ends (no atomics, the same result on every run)."""
+    order = torch.sort(index, dim=-1, stable=True)
+    idx, v = order.values, values.gather(-1, order.indices).double()
+    c = v.cumsum(-1)
+    end = torch.ones_like(idx, dtype=torch.bool)
+    end[..., :-1] = idx[..., 1:] != idx[..., :-1]
+    start = torch.ones_like(idx, dtype=torch.bool)
+    start[..., 1:] = idx[..., 1:] != idx[..., :-1]
+    total = c.new_zeros((*c.shape[:-1], n + 1)).scatter_(-1, torch.where(end, idx, torch.full_like(idx, n)), c)
+    before = c.new_zeros((*c.shape[:-1], n + 1)).scatter_(-1, torch.where(start, idx, torch.full_like(idx, n)),
+                                                          c - v)
+    return (total - before)[..., :n].to(values.dtype)
+
+
 def redundancy_from_rows(
     rowsum: Tensor, last: Tensor, s_last: Tensor, valid: Tensor
 ) -> Tensor:
     """Finish key_redundancy from per-row statistics (used by the Triton path).
 
     Because S is symmetric, the column sum before the per-row exclusion equals the
-    row sum; each row i then removes S[i, last[i]] from column last[i].
+    row sum; each row i then removes S[i, last[i]] from column last[i] (a deterministic
+    segment sum, `sums_by_index`).
     """
     has = last >= 0
-    sub = torch.zeros_like(rowsum).scatter_add_(
-        -1, last.long().clamp_min(0), torch.where(has, s_last, torch.zeros_like(s_last))
-    )
+    sub = sums_by_index(torch.where(has, s_last, torch.zeros_like(s_last)), last.long().clamp_min(0),
+                        rowsum.shape[-1])
     n = valid.sum(-1, keepdim=True).clamp_min(1).float()
     return masked_softmax((rowsum - sub) / n, valid)
 

@@ -206,13 +206,20 @@ def value_magnitude(values: Float[Tensor, "B H T D"], kind: str = "range") -> Fl
     return out
 
 
+def default_precision(device: torch.device) -> str:
+    """``tl.dot`` input precision of the scoring kernels when none is given: tensor cores ("tf32") on a GPU,
+    where a score promises no bit-exactness; "ieee" (exact fp32) under the CPU interpreter, which tests
+    compare against the reference."""
+    return "tf32" if device.type == "cuda" and not TRITON_INTERPRETED else "ieee"
+
+
 # ============================================================================ key_redundancy
 def key_redundancy(
     keys: Float[Tensor, "B H T D"],
     valid: Bool[Tensor, "B H T"],
     threshold: float = 0.5,
     *,
-    precision: str = "ieee",
+    precision: Optional[str] = None,
 ) -> Float32[Tensor, "B H T"]:
     """R-KV key redundancy (arXiv 2505.24133), float32 [B,H,T]; higher = more redundant.
 
@@ -227,16 +234,18 @@ def key_redundancy(
     The Triton path tiles S (never materialised) in a single pass: each program owns a
     block of rows and records, per row, the row sum (= the column sum, S being
     symmetric), the excluded column and its value; the exclusion is scattered back and
-    the masked softmax is applied with two small torch ops.  ``precision`` is the
-    ``tl.dot`` input precision on the Triton path ("ieee" = exact fp32, the default;
-    "tf32" is several times faster on tensor cores but may flip decisions for pairs
-    within ~1e-3 of ``threshold``).
+    the masked softmax is applied with two small torch ops (the exclusion as a
+    deterministic segment sum, never an atomic ``scatter_add_``).  ``precision`` is the
+    ``tl.dot`` input precision on the Triton path: None (default) = ``default_precision``,
+    tensor cores ("tf32") on a GPU, since a redundancy score promises no exactness (a pair
+    within ~1e-3 of ``threshold`` may flip); "ieee" = exact fp32 products.
     """
     op = "key_redundancy"
     C.tensor(op, "keys", keys, "B H T D", C.FLOAT_DTYPES, _FLOAT)
     C.tensor(op, "valid", valid, "B H T", (torch.bool,), "a bool tensor")
     C.shape(op, "valid", valid, keys.shape[:3], "B H T")
     C.same_device(op, keys=keys, valid=valid)
+    precision = default_precision(keys.device) if precision is None else precision
     C.choice(op, "precision", precision, ("ieee", "tf32", "tf32x3"))
     if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not math.isfinite(threshold):
         raise ValueError(f"{op}: threshold must be a finite float, got {threshold!r}")
@@ -271,6 +280,8 @@ def window_attention_scores(
     candidates: Optional[Bool[Tensor, "B H T"]] = None,
     pool: str = "none",
     kernel: int = 5,
+    *,
+    precision: Optional[str] = None,
 ) -> Float32[Tensor, "B H T"]:
     """Attention mass each key receives from an observation window of queries,
     float32 [B,H,T] (SnapKV arXiv 2404.14469, R-KV arXiv 2505.24133, VaSE).
@@ -300,6 +311,9 @@ def window_attention_scores(
     per-tile softmax max/sum, combined across tiles with a small torch op, then the
     probabilities summed over queries); pooling and the final mask are torch ops
     shared with the reference.  ``queries`` and ``keys`` must share one float dtype.
+    ``precision``: the ``tl.dot`` input precision for fp32 inputs on the Triton path (None =
+    ``default_precision``: tensor cores on a GPU, as a score promises no exactness; "ieee"
+    = exact fp32 products like the reference). 16-bit inputs always use tensor cores.
     """
     op = "window_attention_scores"
     C.tensor(op, "queries", queries, "B Hq W D", C.FLOAT_DTYPES, _FLOAT)
@@ -332,6 +346,8 @@ def window_attention_scores(
         raise ValueError(f"{op}: scale must be a finite float, got {scale!r}")
     C.choice(op, "gqa", gqa, ("mean", "max"))
     C.choice(op, "pool", pool, ("none", "avg", "max"))
+    precision = default_precision(keys.device) if precision is None else precision
+    C.choice(op, "precision", precision, ("ieee", "tf32", "tf32x3"))
     if not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 1 or kernel % 2 == 0:
         raise ValueError(f"{op}: kernel must be a positive odd int (same-length pooling), got {kernel!r}")
 
@@ -355,10 +371,10 @@ def window_attention_scores(
     out = torch.empty((B, H, T), dtype=torch.float32, device=dev)
     ko8 = key_ok.view(torch.uint8)
     common = dict(
-        # fp32 inputs: exact fp32 products ("ieee") like the reference; 16-bit inputs use
-        # tensor cores (products exact in the fp32 accumulator; precision flag unused).
+        # fp32 inputs: `precision`; 16-bit inputs use tensor cores (products exact in the
+        # fp32 accumulator; the flag does not apply).
         GQA_MAX=(gqa == "max"), UPCAST=TRITON_INTERPRETED,
-        PRECISION="ieee" if keys.dtype == torch.float32 else "tf32",
+        PRECISION=precision if keys.dtype == torch.float32 else "tf32",
         BLOCK_W=BLOCK_W, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
     )
     strides = (*queries.stride(), *keys.stride(), *key_pos.stride(), *ko8.stride(),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple, Protocol, runtime_checkable
 
+import numpy as np
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
@@ -37,7 +38,12 @@ class StoreView(NamedTuple):
 class KVStore(Protocol):
     """One layer's tokens in one layout (`DenseStore`: one length per layer; `PagedStore`: a length per
     (row, KV head), pages from a pool). The layer core (`kvcompose.layer`) drives either through this
-    protocol only.
+    protocol only, and a store owns attention over its own layout (`attend`).
+
+    Host mirrors: every size the core needs on the host (`held`, `capacity`, `host_lengths`, `ragged`,
+    `padded`) is kept on the host by the store itself, so an ordinary decode step (`append`, `attend`,
+    `read_channels` / `write_channels`) never waits for the device. Operations of a compression event
+    (`compact`, `assign`, `valid_counts`) may synchronise.
 
     Indices handed to `compact` and read from `view` are slots of the padded view, per (row, head).
     """
@@ -48,19 +54,46 @@ class KVStore(Protocol):
 
     @property
     def held(self) -> int:
-        """T: slots of the padded view (the longest (row, head))."""
+        """T: slots of the padded view (the longest (row, head)), from the host mirror."""
+
+    @property
+    def capacity(self) -> int:
+        """Token slots of the device buffers (pages x page size for a page pool)."""
 
     @property
     def lengths(self) -> Int[Tensor, "B H"]:
-        """Tokens held per (row, KV head)."""
+        """Tokens held per (row, KV head), on the device."""
+
+    @property
+    def host_lengths(self) -> np.ndarray:
+        """The same counts mirrored on the host (int64 `[B, H]`; never synchronises)."""
 
     @property
     def ragged(self) -> bool:
-        """True when the view has slots that are not real tokens (padding rows or unequal head lengths):
+        """True when the view has slots that are not real tokens (padding or unequal head lengths):
         attention must then be masked."""
 
+    @property
+    def padded(self) -> bool:
+        """True when some held token is padding (valid False)."""
+
+    def append(self, keys: Float[Tensor, "B H Q D"], values: Float[Tensor, "B H Q Dv"],
+               start: int | Int[Tensor, " Q"], valid: Bool[Tensor, "B Q"] | None = None) -> None:
+        """Append Q new tokens after every (row, head)'s own length, at positions `start .. start + Q - 1`
+        (or the given positions); their channels start at 0."""
+
+    def attend(self, query: Float[Tensor, "B Hq Q D"], seen: int, scale: float,
+               sliding_window: int | None = None, softcap: float | None = None,
+               sinks: Float[Tensor, " Hq"] | None = None) -> Float[Tensor, "B Q Hq Dv"]:
+        """Attention of queries at positions `seen - Q .. seen - 1` over the held tokens, in this layout
+        (`kvcompose.attention_math`'s mask rule: unmasked for one query over real, equally long heads)."""
+
     def view(self) -> StoreView:
-        """The held tokens as a padded view (no copy where the layout allows)."""
+        """The held tokens as a padded view (no copy where the layout allows; a transient copy otherwise,
+        never kept by the store)."""
+
+    def valid_counts(self) -> Int[Tensor, "B H"]:
+        """Real (non-padding) tokens held per (row, KV head), on the device."""
 
     def read_channels(self) -> Float[Tensor, "B H T C"]:
         """Token-aligned block state of the held tokens (zeros past a head's length)."""
@@ -68,12 +101,9 @@ class KVStore(Protocol):
     def write_channels(self, x: Float[Tensor, "B H T C"]) -> None:
         """Replace the token-aligned block state of the held tokens."""
 
-    def append(self, keys: Float[Tensor, "B H Q D"], values: Float[Tensor, "B H Q Dv"],
-               positions: Int[Tensor, " Q"], valid: Bool[Tensor, "B Q"] | None = None) -> None:
-        """Append Q new tokens after every (row, head)'s own length; their channels start at 0."""
-
     def set_tail_valid(self, valid: Bool[Tensor, "B Q"]) -> None:
-        """Set the padding flags of the newest Q tokens of every head of each row."""
+        """Set the padding flags of the newest Q tokens of every head of each row (called only for new tokens
+        that include padding: the store counts as padded from then on)."""
 
     def compact(self, kept: Int[Tensor, "B H K"]) -> None:
         """Keep the view slots `kept` (ascending, -1 padded) of every (row, head); free the rest."""
@@ -81,6 +111,11 @@ class KVStore(Protocol):
     def assign(self, view: StoreView, channels: Float[Tensor, "B H T C"] | None,
                lengths: Int[Tensor, "B H"]) -> None:
         """Replace the content by the first `lengths[b, h]` slots of a padded view."""
+
+    def fit(self, room: int) -> None:
+        """Free memory after a compression event, keeping room for `room` more tokens per (row, head) (what
+        the layer appends until its next event): dense buffers shrink to `held + room` slots, a page pool to
+        the pages its heads need for that many more tokens each (defragmenting it)."""
 
     def crop(self, n: int) -> None:
         """Drop the newest `n` slots of every (row, head)."""

@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from ..attention_math import attend, attend_tokens, needs_mask
 from ..kernels import compact as _compact_kernel
 from ..view import KVComposeError
 from .base import StoreView
@@ -74,7 +76,15 @@ class DenseStore:
         return torch.full((self.batch, self.heads), self._n, dtype=torch.long, device=self.device)
 
     @property
+    def host_lengths(self) -> np.ndarray:
+        return np.full((self.batch, self.heads), self._n, dtype=np.int64)
+
+    @property
     def ragged(self) -> bool:
+        return self._padding
+
+    @property
+    def padded(self) -> bool:
         return self._padding
 
     def nbytes(self) -> int:
@@ -110,8 +120,11 @@ class DenseStore:
         if self.capacity > self._n:
             self._resize(self._n)
 
-    def fit(self) -> None:
-        """Shrink the buffers back to `target` slots when they are larger and the tokens fit (frees memory)."""
+    def fit(self, room: int | None = None) -> None:
+        """Shrink the buffers to `held + room` slots (the new `target`; None: keep the current target) when
+        they are larger (frees memory after a compaction; the buffers then grow back to `target` at most)."""
+        if room is not None:
+            self.target = self._n + room
         if self.target and self.capacity > self.target >= self._n:
             self._resize(self.target)
 
@@ -134,12 +147,22 @@ class DenseStore:
                                    self._valid.narrow(2, 0, n))
         return self._view
 
-    def kv(self) -> tuple[Float[Tensor, "B H T D"], Float[Tensor, "B H T Dv"]]:
-        """The held keys and values only (what an unmasked decode step needs)."""
-        if self._view is not None:
-            return self._view.keys, self._view.values
+    def attend(self, query: Float[Tensor, "B Hq Q D"], seen: int, scale: float, sliding_window: int | None = None,
+               softcap: float | None = None, sinks: Float[Tensor, " Hq"] | None = None) -> Float[Tensor, "B Q Hq Dv"]:
+        """SDPA over the held slots (views of the buffers, no copy); unmasked for one query over unpadded
+        tokens, else masked by position (positions are written only then)."""
         n = self._n
-        return self._k.narrow(2, 0, n), self._v.narrow(2, 0, n)
+        keys, values = self._k.narrow(2, 0, n), self._v.narrow(2, 0, n)
+        if not needs_mask(query.shape[2], self._padding, seen, sliding_window):
+            return attend(query, keys, values, None, scale, softcap, sinks)
+        v = self.view()
+        return attend_tokens(query, keys, values, v.positions, v.valid, True, seen, scale, sliding_window, softcap,
+                             sinks)[0]
+
+    def valid_counts(self) -> Int[Tensor, "B H"]:
+        if not self._padding:
+            return self.lengths
+        return self.view().valid.sum(-1)
 
     def read_channels(self) -> Float[Tensor, "B H T C"]:
         return self._ch[:, :, : self._n]
@@ -149,13 +172,12 @@ class DenseStore:
 
     # -- mutation -------------------------------------------------------------------------------------
     def append(self, keys: Float[Tensor, "B H Q D"], values: Float[Tensor, "B H Q Dv"],
-               positions: Int[Tensor, " Q"] | None, valid: Bool[Tensor, "B Q"] | None = None,
-               start: int | None = None) -> None:
-        """Append Q new tokens at `positions` (or `start, start + 1, ...`: then, when they follow the previous
-        append and have no padding, their positions and padding flags are written only when a view needs
-        them)."""
-        if positions is None and start is None:
-            raise KVComposeError("DenseStore.append needs positions or start")
+               start: int | Int[Tensor, " Q"], valid: Bool[Tensor, "B Q"] | None = None) -> None:
+        """Append Q new tokens at positions `start, start + 1, ...` (or the given positions `[Q]`). Tokens
+        that follow the previous append and have no padding get their positions and padding flags written
+        only when a view needs them."""
+        positions = start if isinstance(start, Tensor) else None
+        start = None if positions is not None else int(start)
         q = keys.shape[2]
         n = self._n
         need = n + q
@@ -185,7 +207,7 @@ class DenseStore:
         q = valid.shape[1]
         self._materialize()
         self._valid[:, :, self._n - q : self._n] = valid[:, None, :]
-        self._padding = self._padding or not bool(valid.all())
+        self._padding = True
         self._view = None
 
     def compact(self, kept: Int[Tensor, "B H K"]) -> None:

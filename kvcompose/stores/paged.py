@@ -5,177 +5,48 @@ must be as long as the *largest* head; masking the rest (what kvpress does) free
 owns a `PagePool` of fixed-size pages and every (row, KV head) a page table:
 
 ```
-PagePool                                     PagedStore
-  keys      [n_pages, P, D]                    page_table [B, H, M]   page ids, -1 = none
+PagePool (kvcompose.stores.pool)             PagedStore
+  keys      [n_pages, P, D]                    page_table [B, H, M]   page ids, -1 = none (device + host copy)
   values    [n_pages, P, Dv]                   lengths    [B, H]      tokens held by each (row, head)
-  positions [n_pages, P] (original index)    logical token t of (b, h) lives in page
-  valid     [n_pages, P] (False = padding)     page_table[b, h, t // P], slot t % P
-  channels  [n_pages, P, C] float32 (token-aligned block state)
-  free      stack of free page ids (LIFO: a returned page is the next one handed out)
+  positions [n_pages, P] (original index)                             (device + host copy)
+  valid     [n_pages, P] (False = padding)   logical token t of (b, h) lives in page
+  channels  [n_pages, P, C] float32          page_table[b, h, t // P], slot t % P
+  free      host stack of free page ids
 ```
 
+- Host bookkeeping: the page table and the lengths are mirrored on the host, where every decision about
+  pages is made (which head crosses a page boundary, which page it gets, what a compaction frees). An
+  ordinary decode step therefore never waits for the device: new page ids reach the device table as one
+  small asynchronous copy, and the new tokens are written with `index_copy_` at slots computed on the device.
 - Append: every head writes its new tokens after its own length; a head that crosses a page boundary takes
-  a page from the free stack. The pool grows (one copy) only when the stack is empty, by
-  `max(needed, slack * capacity)` pages.
-- Compaction: each head's kept tokens move to the front of its own pages (gather, then scatter: a copy, so
-  overlapping moves are safe); pages past the new length go back to the free stack; when more than
-  `ceil(used * (1 + slack))` pages are allocated, the pool is defragmented (used pages renumbered to the
-  front) and reallocated at `ceil(used * (1 + slack / 2))` pages, which is what really frees memory. So
-  after every compaction `allocated <= ceil((1 + slack) * used pages)` and `used pages * P <= held + P - 1`
-  per head (slack = 1/32).
-- Reading: `view()` gathers each head's tokens into a transient padded `[B, H, Tmax, D]` view (memoised until
-  the next change); the stored memory stays paged. On CUDA the Triton paged decode kernel reads the pages
-  directly (`kvcompose.kernels.paged_decode_attention`, driven by the layer core).
+  a page from the free stack; the pool grows geometrically when the stack is empty.
+- Compaction (a compression event, where host syncs are allowed): each head's kept tokens move to the
+  front of its own pages (gather, then scatter: a copy, so overlapping moves are safe); pages past the new
+  length go back to the free stack. Then `fit(room)` sizes the pool once (defragmenting it when too much of
+  it is free) to the pages the heads hold plus room for what the layer appends until its next event, so a
+  layer at its steady state reallocates its pool neither between events nor at them; `trim()` frees every
+  spare page.
+- Attention (`attend`): on CUDA the Triton paged decode kernel reads the pages directly
+  (`kvcompose.kernels.paged_decode_attention`: no padded copy); elsewhere the pages are gathered into a
+  transient padded view for masked SDPA (the PyTorch reference). The store never keeps a padded view.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from ..attention_math import attend, attend_tokens
+from ..kernels import paged_decode_attention, select_backend
 from ..view import KVComposeError
 from .base import FAR_POSITION, StoreView
+from .pool import POOL_GROWTH, POOL_SLACK, PagePool
 
-__all__ = ["PagePool", "PagedStore", "POOL_SLACK"]
-
-POOL_SLACK = 1 / 32
-"""A pool grows by this share of its size (at least what is needed) when its free stack runs out, and is
-defragmented and shrunk to `used * (1 + POOL_SLACK / 2)` pages when more than this share of it is free."""
-
-
-class PagePool:
-    """A layer's pool of fixed-size KV pages with a LIFO free stack.
-
-    Attributes:
-        keys: `[n_pages, P, D]`; values: `[n_pages, P, Dv]`; positions: Long `[n_pages, P]`;
-        valid: Bool `[n_pages, P]`; channels: float32 `[n_pages, P, C]` (token-aligned block state).
-        free: Long `[n_free]` free page ids; the last one is handed out first.
-        grows, shrinks: how often the pool tensors were reallocated; handed_out, reused: pages handed out in
-            total and pages handed out again after being returned.
-
-    Args:
-        page_size: tokens per page (P).
-        head_dim: D, the key width.
-        value_dim: Dv, the value width.
-        dtype: of keys and values.
-        device: of every pool tensor.
-        slack: free share tolerated (and growth step), see the module docstring.
-    """
-
-    def __init__(self, page_size: int, head_dim: int, value_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, slack: float = POOL_SLACK, channels: int = 0):
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise KVComposeError(f"bad page size {page_size!r}: a positive int of tokens")
-        if not 0.0 <= slack < 1.0:
-            raise KVComposeError(f"pool slack must be in [0, 1), got {slack}")
-        self.page_size, self.head_dim, self.value_dim = page_size, head_dim, value_dim
-        self.dtype, self.device, self.slack = dtype, torch.device(device), slack
-        p = page_size
-        self.keys = torch.zeros(0, p, head_dim, dtype=dtype, device=self.device)
-        self.values = torch.zeros(0, p, value_dim, dtype=dtype, device=self.device)
-        self.positions = torch.zeros(0, p, dtype=torch.long, device=self.device)
-        self.valid = torch.zeros(0, p, dtype=torch.bool, device=self.device)
-        self.channels = torch.zeros(0, p, channels, dtype=torch.float32, device=self.device)
-        self.free = torch.zeros(0, dtype=torch.long, device=self.device)
-        self._returned = torch.zeros(0, dtype=torch.bool, device=self.device)  # page was returned at least once
-        self.grows = self.shrinks = self.handed_out = self.reused = 0
-
-    # -- sizes ----------------------------------------------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        """Pages allocated (used + free)."""
-        return self.keys.shape[0]
-
-    @property
-    def n_free(self) -> int:
-        return self.free.shape[0]
-
-    @property
-    def n_used(self) -> int:
-        return self.capacity - self.n_free
-
-    def bytes_per_page(self) -> int:
-        return self.page_size * (self.head_dim + self.value_dim) * self.keys.element_size()
-
-    def nbytes(self) -> int:
-        """Bytes of the K/V page tensors (what `MemoryReport.allocated` counts; metadata excluded)."""
-        return self.capacity * self.bytes_per_page()
-
-    def meta_nbytes(self) -> int:
-        """Bytes of positions, validity and block state per slot (not K/V)."""
-        return self.positions.nbytes + self.valid.nbytes + self.channels.nbytes
-
-    def tensors(self) -> dict[str, Tensor]:
-        """Every per-slot tensor of the pool, by name (keys, values, positions, valid, channels)."""
-        return {"keys": self.keys, "values": self.values, "positions": self.positions, "valid": self.valid,
-                "channels": self.channels}
-
-    # -- pages ----------------------------------------------------------------------------------------
-    def _reallocate(self, capacity: int, keep: Int[Tensor, " N"] | None = None) -> None:
-        """New tensors of `capacity` pages holding the old pages `keep` (default: the first min(cap) ones)
-        at ids 0..len(keep)-1."""
-        for name, t in self.tensors().items():
-            new = t.new_zeros((capacity, *t.shape[1:]))
-            if keep is None:
-                n = min(capacity, t.shape[0])
-                new[:n] = t[:n]
-            elif keep.numel():
-                new[: keep.numel()] = t[keep]
-            setattr(self, name, new)
-        ret = torch.zeros(capacity, dtype=torch.bool, device=self.device)
-        if keep is None:
-            n = min(capacity, self._returned.shape[0])
-            ret[:n] = self._returned[:n]
-        elif keep.numel():
-            ret[: keep.numel()] = self._returned[keep]
-        self._returned = ret
-
-    def alloc(self, n: int) -> Int[Tensor, " n"]:
-        """Hand out `n` page ids (most recently returned first); grows the pool if the stack is short."""
-        if n <= 0:
-            return torch.zeros(0, dtype=torch.long, device=self.device)
-        if n > self.n_free:
-            old = self.capacity
-            new = old + max(n - self.n_free, math.ceil(self.slack * old), 1)
-            self._reallocate(new)
-            fresh = torch.arange(new - 1, old - 1, -1, device=self.device)  # lower ids on top of the stack
-            self.free = torch.cat([fresh, self.free])
-            self.grows += 1
-        ids = self.free[self.n_free - n:].flip(0)
-        self.free = self.free[: self.n_free - n]
-        self.handed_out += n
-        self.reused += int(self._returned[ids].sum())
-        return ids
-
-    def release(self, ids: Int[Tensor, " n"]) -> None:
-        """Return pages to the free stack (they are the next ones handed out)."""
-        if ids.numel():
-            self._returned[ids] = True
-            self.free = torch.cat([self.free, ids])
-
-    def fit(self, page_table: Int[Tensor, "B H M"]) -> Int[Tensor, "B H M"]:
-        """If more than `ceil(used * (1 + slack))` pages are allocated, move the used pages to the front
-        (renumbering them in `page_table`) and reallocate the pool at `ceil(used * (1 + slack / 2))` pages; the
-        free pages kept count as returned ones (reused memory). Returns the page table."""
-        used = self.n_used
-        if self.capacity <= math.ceil(used * (1 + self.slack)):
-            return page_table
-        target = math.ceil(used * (1 + self.slack / 2))
-        has = page_table >= 0
-        old_ids = page_table[has]
-        if old_ids.numel() != used:  # pragma: no cover - an internal invariant
-            raise KVComposeError(f"page pool out of step: {old_ids.numel()} pages in tables, {used} in use")
-        new_table = torch.full_like(page_table, -1)
-        new_table[has] = torch.arange(used, device=self.device)
-        self._reallocate(target, keep=old_ids)
-        self.free = torch.arange(target - 1, used - 1, -1, device=self.device)
-        self._returned[used:] = True
-        self.shrinks += 1
-        return new_table
+__all__ = ["PagePool", "PagedStore", "POOL_SLACK", "POOL_GROWTH"]
 
 
 class PagedStore:
@@ -183,9 +54,11 @@ class PagedStore:
 
     Attributes:
         pool: the store's `PagePool`.
-        page_table: Long `[B, H, M]` page ids of each (row, head), -1 where none; M = most pages of any head.
-        lengths: Long `[B, H]` tokens held by each (row, head). Logical token `t < lengths[b, h]` is at
-            `page_table[b, h, t // P] * P + t % P` of the pool's flattened slot axis.
+        page_table: Long `[B, H, M]` page ids of each (row, head) on the device, -1 where none (M >= the most
+            pages of any head).
+        lengths: Long `[B, H]` tokens held by each (row, head), on the device; `host_lengths` the same on the
+            host. Logical token `t < lengths[b, h]` is at `page_table[b, h, t // P] * P + t % P` of the pool's
+            flattened slot axis.
 
     Args:
         batch: B rows.
@@ -204,12 +77,16 @@ class PagedStore:
         self.pool = PagePool(page_size, head_dim, value_dim, dtype, device, slack, channels)
         self.batch, self.heads, self.channels = batch, heads, channels
         self.head_dim, self.value_dim, self.dtype = head_dim, value_dim, dtype
+        self._table = np.full((batch, heads, 0), -1, dtype=np.int64)  # host page table
         self.page_table = torch.full((batch, heads, 0), -1, dtype=torch.long, device=self.pool.device)
+        self._lens = np.zeros((batch, heads), dtype=np.int64)  # host lengths
+        self._pages = np.zeros((batch, heads), dtype=np.int64)  # host: pages held by each (row, head)
+        self._room = 0  # host: tokens every (row, head) can append before one of them needs a page
         self._lengths = torch.zeros(batch, heads, dtype=torch.long, device=self.pool.device)
         self._padding = False
-        self._dirty()
+        self._reserve = 0  # pages the pool keeps for the tokens appended until the next event (see `fit`)
 
-    # -- sizes ----------------------------------------------------------------------------------------
+    # -- sizes (host) ---------------------------------------------------------------------------------
     @property
     def page_size(self) -> int:
         return self.pool.page_size
@@ -223,26 +100,28 @@ class PagedStore:
         return self._lengths
 
     @property
+    def host_lengths(self) -> np.ndarray:
+        return self._lens
+
+    @property
     def held(self) -> int:
-        if self._held is None:
-            self._held = int(self._lengths.max()) if self._lengths.numel() else 0
-        return self._held
+        return int(self._lens.max()) if self._lens.size else 0
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity * self.page_size
 
     @property
     def ragged(self) -> bool:
-        if self._ragged is None:
-            n = self._lengths
-            self._ragged = self._padding or (n.numel() > 0 and int(n.min()) != int(n.max()))
-        return self._ragged
+        return self._padding or (self._lens.size > 0 and int(self._lens.min()) != int(self._lens.max()))
 
-    def _dirty(self) -> None:
-        self._view: StoreView | None = None
-        self._held: int | None = None
-        self._ragged: bool | None = None
+    @property
+    def padded(self) -> bool:
+        return self._padding
 
     def held_tokens(self) -> int:
         """Tokens held, summed over rows and heads."""
-        return int(self._lengths.sum())
+        return int(self._lens.sum())
 
     def pages_per_head(self) -> Int[Tensor, "B H"]:
         return (self.page_table >= 0).sum(-1)
@@ -255,7 +134,7 @@ class PagedStore:
         """Bytes of the K/V page pool (used and free pages)."""
         return self.pool.nbytes()
 
-    # -- addressing -----------------------------------------------------------------------------------
+    # -- addressing (device) --------------------------------------------------------------------------
     def slots(self, idx: Int[Tensor, "B H K"]) -> tuple[Int[Tensor, "B H K"], Bool[Tensor, "B H K"]]:
         """Flat pool slots of logical indices `idx` (and which of them are held: `0 <= idx < length`)."""
         p = self.page_size
@@ -271,61 +150,123 @@ class PagedStore:
     def _flat(t: Tensor) -> Tensor:
         return t.view(t.shape[0] * t.shape[1], *t.shape[2:])
 
-    def _ensure_pages(self, new_lengths: Int[Tensor, "B H"]) -> None:
-        """Give every (row, head) enough pages for `new_lengths` tokens."""
-        p = self.page_size
-        have = self.pages_per_head()
-        need = (new_lengths + p - 1) // p
-        add = (need - have).clamp(min=0)
-        total = int(add.sum())
-        if total == 0:
-            return
-        m = int(need.max())
-        if m > self.page_table.shape[-1]:
-            pad = torch.full((self.batch, self.heads, m - self.page_table.shape[-1]), -1, dtype=torch.long,
-                             device=self.device)
-            self.page_table = torch.cat([self.page_table, pad], dim=-1)
-        col = torch.arange(self.page_table.shape[-1], device=self.device)
-        where = (col >= have[..., None]) & (col < (have + add)[..., None])
-        self.page_table[where] = self.pool.alloc(total)
+    def _upload_table(self) -> None:
+        self.page_table = torch.from_numpy(self._table.copy()).to(self.device, non_blocking=True)
 
-    def _write(self, idx: Int[Tensor, "B H Q"], data: dict[str, Tensor]) -> None:
-        """Write `data[name]` (`[B, H, Q, ...]`) at logical indices `idx` (all `< lengths`)."""
-        slot, inside = self.slots(idx)
-        s = slot[inside]
+    def _take_pages(self, new_lengths: np.ndarray) -> None:
+        """Give every (row, head) enough pages for `new_lengths` tokens: decided on the host, the new table
+        entries copied to the device table asynchronously (never a host sync)."""
+        p = self.page_size
+        have = self._pages
+        need = (new_lengths + p - 1) // p
+        if not (need > have).any():
+            self._sync_room()
+            return
+        m, width = int(need.max()), self._table.shape[-1]
+        if m > width:  # more columns (geometrically, so the device table is rarely reallocated)
+            grow = max(m, width + width // 2) - width
+            self._table = np.concatenate([self._table, np.full((self.batch, self.heads, grow), -1, np.int64)], -1)
+            self.page_table = torch.cat([self.page_table, torch.full((self.batch, self.heads, grow), -1,
+                                                                     dtype=torch.long, device=self.device)], -1)
+        col = np.arange(self._table.shape[-1])
+        where = np.flatnonzero((col >= have[..., None]) & (col < need[..., None]))  # row-major (b, h, column)
+        ids = self.pool.alloc(where.size)
+        self._table.reshape(-1)[where] = ids
+        self._pages = np.maximum(have, need)
+        self._sync_room()
+        new = torch.from_numpy(np.stack([where, ids])).to(self.device, non_blocking=True)
+        self.page_table.view(-1).index_copy_(0, new[0], new[1])
+
+    def _write(self, idx: Int[Tensor, "B H Q"], data: dict[str, Tensor], all_inside: bool) -> None:
+        """Write `data[name]` (`[B, H, Q, ...]`) at logical indices `idx` with `index_copy_` (no boolean
+        masks, no host sync). Unless `all_inside`, `idx` is `arange(Q)` per head and entries past a head's
+        length are redirected to entry `(b0, h0, 0)` of a head that holds tokens, with that entry's own
+        value, so the duplicates write identical values to one slot."""
+        n = idx.numel()
+        if all_inside:  # every index is held: no masking needed
+            p = self.page_size
+            dst = (self.page_table.gather(-1, idx // p) * p + idx % p).reshape(-1)
+        else:
+            slot, inside = self.slots(idx)
+            dst = slot.reshape(-1)
+        src = None
+        if not all_inside:
+            if not (self._lens > 0).any():
+                return
+            b0, h0 = np.unravel_index(int(np.argmax(self._lens)), self._lens.shape)
+            anchor = (int(b0) * self.heads + int(h0)) * idx.shape[-1]
+            ok = inside.reshape(-1)
+            src = torch.where(ok, torch.arange(n, device=self.device), torch.full_like(dst, anchor))
+            dst = torch.where(ok, dst, dst[anchor])
         tensors = self.pool.tensors()
         for name, x in data.items():
             flat = self._flat(tensors[name])
-            flat[s] = x[inside].to(flat.dtype)
+            rows = x.reshape(n, *x.shape[3:]).to(flat.dtype)
+            flat.index_copy_(0, dst, rows if src is None else rows.index_select(0, src))
 
-    def _release_past(self, lengths: Int[Tensor, "B H"]) -> None:
-        """Return the pages past `lengths` to the pool and defragment it if too much of it is free."""
+    def _release_past(self) -> None:
+        """Return the pages past the host lengths to the pool's free stack (the pool's size changes only in
+        `fit` / `trim`)."""
         p = self.page_size
-        keep_pages = (lengths + p - 1) // p
-        col = torch.arange(self.page_table.shape[-1], device=self.device)
-        drop = (col >= keep_pages[..., None]) & (self.page_table >= 0)
-        self.pool.release(self.page_table[drop])
-        self.page_table = self.page_table.masked_fill(drop, -1)
-        self.page_table = self.page_table[..., : int(keep_pages.max()) if keep_pages.numel() else 0].contiguous()
-        self.page_table = self.pool.fit(self.page_table)
+        keep_pages = (self._lens + p - 1) // p
+        drop = (np.arange(self._table.shape[-1]) >= keep_pages[..., None]) & (self._table >= 0)
+        self.pool.release(self._table[drop])
+        self._table[drop] = -1
+        self._table = self._table[..., : int(keep_pages.max()) if keep_pages.size else 0].copy()
+        self._pages = np.minimum(self._pages, keep_pages)
+        self._sync_room()
+        self._upload_table()
+
+    def _sync_room(self) -> None:
+        """Tokens every (row, head) can still append without a new page (host)."""
+        self._room = int((self._pages * self.page_size - self._lens).min()) if self._lens.size else 0
+
+    def _fit_pool(self, reserve: int) -> None:
+        moved = self.pool.fit(self._table, reserve)
+        if moved is not None:
+            self._table = moved
+            self._upload_table()
+
+    def _set_lengths(self, lengths: Int[Tensor, "B H"]) -> None:
+        """New lengths from a device tensor (a compression event: one host sync)."""
+        self._lengths = lengths
+        self._lens = lengths.cpu().numpy().astype(np.int64)
 
     # -- reading --------------------------------------------------------------------------------------
+    def _held_slots(self) -> tuple[Int[Tensor, "B H T"], Bool[Tensor, "B H T"], Int[Tensor, " T"]]:
+        """Flat pool slots of every view slot `t < T` (T = max length; slots past a head's length point at
+        slot 0), which of them hold a token, and `arange(T)`: the column arithmetic is shared by all heads."""
+        t, p = self.held, self.page_size
+        ar = torch.arange(t, device=self.device)
+        if self.page_table.shape[-1] == 0:
+            return torch.zeros(self.batch, self.heads, t, dtype=torch.long, device=self.device), \
+                ar < self._lengths[..., None], ar
+        page = self.page_table.index_select(-1, ar // p)
+        slot = (page * p + ar % p).clamp_(min=0)
+        inside = ar < self._lengths[..., None]
+        return slot, inside, ar
+
     def view(self) -> StoreView:
         """A transient padded view, `T = max length`; slots past a head's length hold zeros, position
-        `FAR_POSITION + t` and valid False. Memoised until the next change."""
-        if self._view is None:
-            t = self.held
-            idx = torch.arange(t, device=self.device).expand(self.batch, self.heads, t)
-            slot, inside = self.slots(idx)
-            s = slot.reshape(-1)
-            zero = torch.zeros((), dtype=self.pool.keys.dtype, device=self.device)
-            b, h = self.batch, self.heads
-            k = torch.where(inside[..., None], self._flat(self.pool.keys)[s].view(b, h, t, -1), zero)
-            v = torch.where(inside[..., None], self._flat(self.pool.values)[s].view(b, h, t, -1), zero)
-            pos = torch.where(inside, self._flat(self.pool.positions)[s].view(b, h, t), FAR_POSITION + idx)
-            valid = inside & self._flat(self.pool.valid)[s].view(b, h, t)
-            self._view = StoreView(k, v, pos, valid)
-        return self._view
+        `FAR_POSITION + t` and valid False. A copy, never kept by the store."""
+        t = self.held
+        b, h = self.batch, self.heads
+        slot, inside, ar = self._held_slots()
+        s = slot.reshape(-1)
+        flat = self.pool.flat()
+        zero = torch.zeros((), dtype=self.pool.keys.dtype, device=self.device)
+        k = torch.where(inside[..., None], flat["keys"].index_select(0, s).view(b, h, t, -1), zero)
+        v = torch.where(inside[..., None], flat["values"].index_select(0, s).view(b, h, t, -1), zero)
+        pos = torch.where(inside, flat["positions"].index_select(0, s).view(b, h, t), FAR_POSITION + ar)
+        valid = inside & flat["valid"].index_select(0, s).view(b, h, t)
+        return StoreView(k, v, pos, valid)
+
+    def valid_counts(self) -> Int[Tensor, "B H"]:
+        if not self._padding:
+            return self._lengths
+        t = self.held
+        slot, inside = self.slots(torch.arange(t, device=self.device).expand(self.batch, self.heads, t))
+        return (inside & self._flat(self.pool.valid)[slot.reshape(-1)].view(self.batch, self.heads, t)).sum(-1)
 
     def read_channels(self) -> Float[Tensor, "B H T C"]:
         t = self.held
@@ -337,34 +278,71 @@ class PagedStore:
         return torch.where(inside[..., None], x, torch.zeros_like(x))
 
     def write_channels(self, x: Float[Tensor, "B H T C"]) -> None:
-        idx = torch.arange(x.shape[2], device=self.device).expand(self.batch, self.heads, x.shape[2])
-        self._write(idx, {"channels": x})
+        t = x.shape[2]
+        idx = torch.arange(t, device=self.device).expand(self.batch, self.heads, t)
+        self._write(idx, {"channels": x}, all_inside=self._lens.size > 0 and int(self._lens.min()) >= t)
+
+    def attend(self, query: Float[Tensor, "B Hq Q D"], seen: int, scale: float, sliding_window: int | None = None,
+               softcap: float | None = None, sinks: Float[Tensor, " Hq"] | None = None) -> Float[Tensor, "B Q Hq Dv"]:
+        """On CUDA the paged decode kernel reads the pages directly (no padded copy); elsewhere, or with
+        soft-capping or sinks, masked SDPA over a transient padded view (the PyTorch reference)."""
+        if softcap is None and sinks is None and select_backend(query, self.pool.keys) == "triton":
+            q = query.shape[2]
+            qpos = torch.arange(seen - q, seen, device=self.device)
+            p = self.pool
+            return paged_decode_attention(query, p.keys, p.values, p.positions, p.valid, self.page_table,
+                                          self._lengths, qpos, float(scale), sliding_window, check_indices=False)
+        if query.shape[2] == 1 and not self._padding and (sliding_window is None or seen <= sliding_window):
+            # a decode step over real tokens: every held key is visible, the mask is "slot < length" (the
+            # mask build_mask gives, from the lengths alone); slots past a head's length stay unread
+            slot, inside, _ = self._held_slots()
+            b, h, t = slot.shape
+            flat, s = self.pool.flat(), slot.reshape(-1)
+            keys = flat["keys"].index_select(0, s).view(b, h, t, -1)
+            values = flat["values"].index_select(0, s).view(b, h, t, -1)
+            return attend(query, keys, values, inside[:, :, None, :] if self.ragged else None, scale, softcap, sinks)
+        v = self.view()
+        out, _ = attend_tokens(query, v.keys, v.values, v.positions, v.valid, self.ragged, seen, scale,
+                               sliding_window, softcap, sinks)
+        return out
 
     # -- mutation -------------------------------------------------------------------------------------
     def append(self, keys: Float[Tensor, "B H Q D"], values: Float[Tensor, "B H Q Dv"],
-               positions: Int[Tensor, " Q"], valid: Bool[Tensor, "B Q"] | None = None) -> None:
+               start: int | Int[Tensor, " Q"], valid: Bool[Tensor, "B Q"] | None = None) -> None:
         b, h, q, _ = keys.shape
         if (b, h) != (self.batch, self.heads):
             raise KVComposeError(f"append: got {b} rows x {h} heads, the store holds {self.batch} x {self.heads}")
-        start = self._lengths
-        self._ensure_pages(start + q)
-        self._lengths = start + q
-        idx = start[..., None] + torch.arange(q, device=self.device)
-        ok = torch.ones(b, q, dtype=torch.bool, device=self.device) if valid is None else valid
-        data = {"keys": keys, "values": values, "positions": positions.to(self.device).expand(b, h, q),
-                "valid": ok[:, None, :].expand(b, h, q)}
+        if q > self._room:
+            self._take_pages(self._lens + q)
+        idx = self._lengths[..., None] if q == 1 else self._lengths[..., None] + torch.arange(q, device=self.device)
+        self._lens = self._lens + q
+        self._lengths = self._lengths + q
+        self._room -= q
+        p, n = self.page_size, b * h * q
+        dst = (self.page_table.gather(-1, idx // p) * p + idx % p).view(n)  # every new slot is held
+        flat = self.pool.flat()
+        flat["keys"].index_copy_(0, dst, keys.reshape(n, -1))
+        flat["values"].index_copy_(0, dst, values.reshape(n, -1))
+        if isinstance(start, Tensor):
+            flat["positions"].index_copy_(0, dst, start.to(self.device).expand(b, h, q).reshape(n))
+        elif q == 1:
+            flat["positions"].index_fill_(0, dst, int(start))
+        else:
+            flat["positions"].index_copy_(0, dst, torch.arange(start, start + q, device=self.device).expand(b, h, q)
+                                          .reshape(n))
+        if valid is None:
+            flat["valid"].index_fill_(0, dst, True)
+        else:
+            flat["valid"].index_copy_(0, dst, valid[:, None, :].expand(b, h, q).reshape(n))
+            self._padding = self._padding or not bool(valid.all())
         if self.channels:
-            data["channels"] = torch.zeros(b, h, q, self.channels, device=self.device)
-        self._write(idx, data)
-        self._padding = self._padding or (valid is not None and not bool(valid.all()))
-        self._dirty()
+            flat["channels"].index_fill_(0, dst, 0.0)
 
     def set_tail_valid(self, valid: Bool[Tensor, "B Q"]) -> None:
         b, q = valid.shape
         idx = self._lengths[..., None] - q + torch.arange(q, device=self.device)
-        self._write(idx, {"valid": valid[:, None, :].expand(b, self.heads, q)})
-        self._padding = self._padding or not bool(valid.all())
-        self._dirty()
+        self._write(idx, {"valid": valid[:, None, :].expand(b, self.heads, q)}, all_inside=True)
+        self._padding = True
 
     def compact(self, kept: Int[Tensor, "B H K"]) -> None:
         """Keep, per (row, head), the logical indices `kept` (ascending; -1 and indices past the head's
@@ -379,37 +357,51 @@ class PagedStore:
         for t in self.pool.tensors().values():
             flat = self._flat(t)
             flat[d] = flat[s]  # the right-hand side is a gathered copy: overlapping moves are safe
-        self._lengths = torch.minimum(new_len, old)
-        self._release_past(self._lengths)
-        self._padding = self._padding and not bool(self.view().valid.sum(-1).eq(self._lengths).all())
-        self._dirty()
+        self._set_lengths(torch.minimum(new_len, old))
+        self._release_past()
+        self._padding = self._padding and not bool(self.valid_counts().eq(self._lengths).all())
 
     def assign(self, view: StoreView, channels: Float[Tensor, "B H T C"] | None,
                lengths: Int[Tensor, "B H"]) -> None:
+        self._lens = np.zeros_like(self._lens)
         self._lengths = torch.zeros_like(self._lengths)
-        self._release_past(self._lengths)
-        self._ensure_pages(lengths)
-        self._lengths = lengths.clone()
+        self._release_past()
+        lens = lengths.cpu().numpy().astype(np.int64)
+        self._take_pages(lens)
+        self._lens, self._lengths = lens, lengths.clone()
+        self._sync_room()
         t = view.keys.shape[2]
         idx = torch.arange(t, device=self.device).expand(self.batch, self.heads, t)
         data = {"keys": view.keys, "values": view.values, "positions": view.positions, "valid": view.valid}
         if self.channels and channels is not None:
             data["channels"] = channels
-        self._write(idx, data)
-        self._dirty()
-        self._padding = not bool(self.view().valid.sum(-1).eq(self._lengths).all())
-        self._dirty()
+        self._write(idx, data, all_inside=lens.size > 0 and int(lens.min()) >= t)
+        self._padding = True
+        self._padding = not bool(self.valid_counts().eq(self._lengths).all())
+
+    def fit(self, room: int) -> None:
+        """Size the pool after a compression event: the pages its heads hold plus room for `room` more tokens
+        each (what the layer appends until its next event), shrinking (and defragmenting) or growing it once,
+        so it is not reallocated before the next event."""
+        p, n = self.page_size, self._lens.size
+        # at most the pages needed: page rounding costs < 1 page per head, and this bound stays put while
+        # per-head budgets move and their total does not
+        self._reserve = -(-(int(self._lens.sum()) + n * room) // p) + n - 1 if room else 0
+        self._fit_pool(self._reserve)
+        self.pool.ensure(self._reserve)
 
     def trim(self) -> None:
         """Free spare pages (the pool is defragmented when too much of it is free)."""
-        self.page_table = self.pool.fit(self.page_table)
+        self._reserve = 0
+        self._fit_pool(0)
 
     def crop(self, n: int) -> None:
-        if n > int(self._lengths.min()):
-            raise KVComposeError(f"cannot crop {n} tokens: a head holds only {int(self._lengths.min())}")
+        least = int(self._lens.min()) if self._lens.size else 0
+        if n > least:
+            raise KVComposeError(f"cannot crop {n} tokens: a head holds only {least}")
+        self._lens = self._lens - n
         self._lengths = self._lengths - n
-        self._release_past(self._lengths)
-        self._dirty()
+        self._release_past()
 
     def map_rows(self, fn: Callable[[Tensor], Tensor]) -> None:
         v = self.view()
@@ -417,6 +409,7 @@ class PagedStore:
         lengths = fn(self._lengths)
         new = PagedStore(lengths.shape[0], self.heads, self.head_dim, self.value_dim, self.dtype, self.device,
                          self.page_size, self.channels, self.pool.slack)
+        new._reserve = self._reserve
         new.assign(StoreView(*(fn(x) for x in v)), None if ch is None else fn(ch), lengths)
         self.__dict__.update(new.__dict__)
 

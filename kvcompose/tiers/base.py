@@ -16,9 +16,12 @@ Contract (shapes: B batch rows, H KV heads, N tokens, D / Dv key / value head di
 - `retained(candidates, kept, seen) -> Long[B, H]`: how many of the non-kept candidates the store will keep
   (0 for `Evict`); protectors may then promise tokens beyond the HBM budget (they are kept off HBM).
 - `fetch(state) -> TierTokens | None`: the held tokens in position order, on the compute device (keys and
-  values at full precision, or dequantized). `start_fetch(state)` may begin that transfer early (CUDA
-  layer-ahead prefetch, `kvcompose.prefetch.Prefetcher`); `version(state)` changes whenever the content
-  changes, so a stale prefetch is never used.
+  values at full precision, or dequantized). `start_fetch(state)` may begin that transfer early (the
+  layer-ahead prefetch, `kvcompose.prefetch.Prefetcher`: a CUDA side stream, or a copy thread on CPU);
+  `version(state)` changes whenever the content changes, so a stale prefetch is never used.
+- `counts(state) -> int64 [B, H] | None` and `padded(state) -> bool`: real tokens held per (row, head) and
+  whether some of them are padding, mirrored on the host when the content changes (`mirror`), so the
+  layer sizes and masks attention over HBM + tier tokens without waiting for the device.
 - `write_channels(state, channels) -> state`: token-aligned block state of the held tokens, in `fetch` order
   (attention from a tier keeps updating e.g. accumulated attention).
 - `nbytes(state)` -> bytes per tier name ('host', 'compressed'); `state["peak"]` the peak per tier.
@@ -37,14 +40,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ..block import Block
-from ..view import KVComposeError, LayerSpec
+from ..view import FAR_POSITION, KVComposeError, LayerSpec
 
-__all__ = ["TierStore", "TierTokens", "Evict", "take_tokens", "flat_index", "bump", "track"]
+__all__ = ["TierStore", "TierTokens", "Evict", "take_tokens", "flat_index", "bump", "track", "mirror",
+           "map_host_rows"]
 
 _versions = itertools.count(1)
 
@@ -117,6 +122,22 @@ def bump(state: dict[str, Any]) -> None:
     state["version"] = next(_versions)
 
 
+def mirror(state: dict[str, Any], positions: Int[Tensor, "B H N"], valid: Bool[Tensor, "B H N"]) -> None:
+    """Record on the host the real tokens per (row, head) of a store's new content (`state["counts"]`, int64
+    `[B, H]`) and whether some are padding (`state["padded"]`): one host sync, at the compression event that
+    changed the content."""
+    real = positions < FAR_POSITION
+    state["counts"] = real.sum(-1).cpu().numpy().astype(np.int64)
+    state["padded"] = bool((real & ~valid).any())
+
+
+def map_host_rows(counts: np.ndarray | None, fn: Callable[[Tensor], Tensor]) -> np.ndarray | None:
+    """Apply a batch-row operation to a host mirror (`fn` acts on dim 0 of a tensor; here a CPU one)."""
+    if counts is None:
+        return None
+    return fn(torch.from_numpy(counts)).cpu().numpy().astype(np.int64)
+
+
 def track(state: dict[str, Any], sizes: dict[str, int]) -> None:
     """Record the peak bytes per tier name in `state["peak"]`."""
     peak = dict(state.get("peak", {}))
@@ -162,6 +183,14 @@ class TierStore(Block):
     def version(self, state: dict[str, Any]) -> int:
         """Changes whenever the content (which tokens, where) changes."""
         return int(state.get("version", 0))
+
+    def counts(self, state: dict[str, Any] | None) -> np.ndarray | None:
+        """Real tokens held per (row, head), on the host (int64 `[B, H]`; None when nothing was stored)."""
+        return state.get("counts") if state else None
+
+    def padded(self, state: dict[str, Any] | None) -> bool:
+        """Whether some held token is padding (host)."""
+        return bool(state.get("padded", False)) if state else False
 
     def write_channels(self, state: dict[str, Any], channels: Float[Tensor, "B H N C"]) -> dict[str, Any]:
         """Set token-aligned block state for the held tokens, in `fetch` order."""

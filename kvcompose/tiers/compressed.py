@@ -10,7 +10,8 @@ from torch import Tensor
 
 from ..kernels import QTensor, dequantize, quantize
 from ..view import KVComposeError
-from .base import TierStore, TierTokens, bump, check_device, resolve_device, take_tokens, track
+from .base import (TierStore, TierTokens, bump, check_device, map_host_rows, mirror, resolve_device, take_tokens,
+                   track)
 from .host import _PendingTier
 from .transfer import HostStash
 
@@ -174,6 +175,7 @@ class CompressedTier(TierStore):
             for k in ("q", "stash", "slot_pos", "alive", "order"):
                 state.pop(k, None)
             state.update(n=0, positions=tokens.positions, valid=tokens.valid, channels=tokens.channels)
+            mirror(state, tokens.positions, tokens.valid)
             bump(state)
             return state
         # drop groups with no live slot (per row and head: an exact gather of whole groups)
@@ -199,6 +201,7 @@ class CompressedTier(TierStore):
         state["slot_pos"], state["alive"] = slot_pos, alive
         state["order"] = self._order(tokens.positions, slot_pos, alive)
         state.update(n=n, positions=tokens.positions, valid=tokens.valid, channels=tokens.channels)
+        mirror(state, tokens.positions, tokens.valid)
         if self.location == "host" and dev.type == "cuda":
             stash = state.get("stash")
             if stash is None or stash.device != dev:
@@ -268,6 +271,7 @@ class CompressedTier(TierStore):
             state["stash"] = stash
         for k in ("positions", "valid", "slot_pos", "alive", "order", "channels"):
             state[k] = fn(state[k])
+        state["counts"] = map_host_rows(state.get("counts"), fn)
         bump(state)
         return state
 

@@ -124,6 +124,13 @@ class Hierarchy(TierStore):
             return None
         return _PendingHierarchy([(s, st, p) for (s, st), p in zip(parts, pend)])
 
+    def counts(self, state):
+        parts = [c for s, st in self._parts(state) if (c := s.counts(st)) is not None] if state else []
+        return None if not parts else sum(parts[1:], parts[0])
+
+    def padded(self, state) -> bool:
+        return bool(state) and any(s.padded(st) for s, st in self._parts(state))
+
     def write_channels(self, state, channels):
         nh = int(state.get("host", {}).get("n", 0))
         return {**state, "host": self.host.write_channels(state.get("host", {}), channels[:, :, :nh]),

@@ -8,7 +8,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from .base import TierStore, TierTokens, bump, check_device, resolve_device, track
+from .base import TierStore, TierTokens, bump, check_device, map_host_rows, mirror, resolve_device, track
 from .transfer import HostStash, PendingCopy
 
 __all__ = ["HostTier"]
@@ -28,6 +28,9 @@ class HostTier(TierStore):
     Args:
         device: the compute device whose tokens it holds (None: whatever device the layer is on). A CUDA
             device that does not exist raises `KVComposeError` at construction.
+        copy_thread: on CPU only, bring the tokens back with a real copy on a background thread (a stand-in
+            for the CUDA transfer stream, to measure what the layer-ahead prefetch hides without a GPU). By
+            default a CPU tier hands out its own copy and nothing moves.
 
     Shapes: holds `[B, H, N, D]` keys and `[B, H, N, Dv]` values per layer (ragged heads padded to N).
     """
@@ -35,8 +38,9 @@ class HostTier(TierStore):
     holds_tokens = True
     tier_names = ("host",)
 
-    def __init__(self, device: str | torch.device | None = None):
+    def __init__(self, device: str | torch.device | None = None, copy_thread: bool = False):
         self.device = resolve_device(device, "HostTier")
+        self.copy_thread = bool(copy_thread)
 
     def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int,
                  protected: Int[Tensor, "B H"] | None = None) -> Int[Tensor, "B H"]:
@@ -49,10 +53,11 @@ class HostTier(TierStore):
         tokens = tokens.sorted()
         stash = state.get("stash")
         if stash is None or stash.device != dev:
-            stash = HostStash(dev)
+            stash = HostStash(dev, copy_thread=self.copy_thread)
         stash.put({"keys": tokens.keys.contiguous(), "values": tokens.values.contiguous()})
         state.update(stash=stash, positions=tokens.positions, valid=tokens.valid, channels=tokens.channels,
                      n=tokens.n)
+        mirror(state, tokens.positions, tokens.valid)
         bump(state)
         track(state, {"host": stash.nbytes()})
         return state
@@ -66,7 +71,7 @@ class HostTier(TierStore):
         return self._assemble(state, state["stash"].get())
 
     def start_fetch(self, state):
-        if not state.get("n") or not state["stash"].cuda:
+        if not state.get("n") or not state["stash"].asynchronous:
             return None
         return _PendingTier(self, state, state["stash"].start())
 
@@ -82,15 +87,18 @@ class HostTier(TierStore):
         if not state.get("n"):
             return state
         state = dict(state)
-        stash = HostStash(state["stash"].device)
+        stash = HostStash(state["stash"].device, copy_thread=self.copy_thread)
         stash.put({k: fn(v) for k, v in state["stash"].get().items()})
         state.update(stash=stash, positions=fn(state["positions"]), valid=fn(state["valid"]),
-                     channels=fn(state["channels"]))
+                     channels=fn(state["channels"]), counts=map_host_rows(state.get("counts"), fn))
         bump(state)
         return state
 
     def __repr__(self) -> str:
-        return "HostTier()" if self.device is None else f"HostTier(device={str(self.device)!r})"
+        args = [] if self.device is None else [f"device={str(self.device)!r}"]
+        if self.copy_thread:
+            args.append("copy_thread=True")
+        return f"HostTier({', '.join(args)})"
 
 
 class _PendingTier:

@@ -1,12 +1,15 @@
 """Host <-> device transfers of the memory tiers: one side CUDA stream per device, reusable pinned host
 buffers, and events that order copies before use ("Not All Thoughts Need HBM": host-held tokens are
-prefetched back before attention, and the transfer should overlap compute).
+prefetched back before attention, and the transfer should overlap compute). On CPU, an optional copy thread
+stands in for the side stream (`HostStash(copy_thread=True)`), so the overlap can be measured without a GPU.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -14,9 +17,20 @@ from torch import Tensor
 
 from ..view import KVComposeError
 
-__all__ = ["transfer_stream", "PendingCopy", "HostStash"]
+__all__ = ["transfer_stream", "copy_thread", "PendingCopy", "HostStash"]
 
 _streams: dict[torch.device, Any] = {}
+_copier: ThreadPoolExecutor | None = None
+_copier_lock = threading.Lock()
+
+
+def copy_thread() -> ThreadPoolExecutor:
+    """The one background thread that carries CPU stand-in copies (serial, like a CUDA copy stream)."""
+    global _copier
+    with _copier_lock:
+        if _copier is None:
+            _copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcompose-copy")
+        return _copier
 
 
 def transfer_stream(device: torch.device):
@@ -47,11 +61,13 @@ class PendingCopy:
     memory to another tensor while the compute stream still reads them.
     """
 
-    def __init__(self, tensors: dict[str, Tensor], event: Any | None):
+    def __init__(self, tensors: dict[str, Tensor] | Future, event: Any | None):
         self.tensors = tensors
         self.event = event
 
     def wait(self) -> dict[str, Tensor]:
+        if isinstance(self.tensors, Future):  # a CPU copy thread's result
+            self.tensors = self.tensors.result()
         if self.event is not None:
             dev = next(iter(self.tensors.values())).device
             cur = torch.cuda.current_stream(dev)
@@ -75,12 +91,15 @@ class HostStash:
     compute stream wait on it. The compute stream never blocks on a device-to-host copy.
 
     On CPU (or any non-CUDA device) `put` keeps a copy of the tensors and `start` hands out views of it: a
-    synchronous, exact round trip that never aliases the caller's tensors.
+    synchronous, exact round trip that never aliases the caller's tensors. With `copy_thread=True`, `start`
+    instead copies the content on the background copy thread (`copy_thread()`) and the handle's `wait()`
+    joins it: the transfer a GPU would make, run beside the compute so a prefetcher can overlap it.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, copy_thread: bool = False):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.threaded = bool(copy_thread) and not self.cuda
         self._buf: dict[str, Tensor] = {}
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._data: dict[str, Tensor] = {}
@@ -101,7 +120,8 @@ class HostStash:
                 buf = self._buf.get(name)
                 if buf is None or buf.dtype != src.dtype or buf.numel() < n:
                     old = 0 if buf is None or buf.dtype != src.dtype else buf.numel()
-                    buf = torch.empty(max(n, math.ceil(1.5 * old), 1), dtype=src.dtype, pin_memory=True)
+                    buf = torch.empty(max(n, math.ceil(1.5 * old), 1), dtype=src.dtype, device="cpu",
+                                      pin_memory=True)
                     self._buf[name] = buf
                 buf[:n].view(src.shape).copy_(src, non_blocking=True)
                 src.record_stream(side)
@@ -111,8 +131,16 @@ class HostStash:
         self._meta = meta
         self._ready = ev
 
+    @property
+    def asynchronous(self) -> bool:
+        """Whether `start` runs beside the compute (CUDA side stream or CPU copy thread)."""
+        return self.cuda or self.threaded
+
     def start(self) -> PendingCopy:
         """Begin bringing the content to the device; returns a handle whose `wait()` gives the tensors."""
+        if self.threaded:
+            data = dict(self._data)
+            return PendingCopy(copy_thread().submit(lambda: {k: v.clone() for k, v in data.items()}), None)
         if not self.cuda:
             return PendingCopy(dict(self._data), None)
         side = transfer_stream(self.device)
@@ -139,7 +167,7 @@ class HostStash:
 
     def nbytes(self) -> int:
         """Bytes of the content (not of the buffers' spare capacity)."""
-        return sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in self._meta.values())
+        return sum(math.prod(s) * d.itemsize for s, d in self._meta.values())
 
     def allocated(self) -> int:
         """Bytes of the pinned buffers (CUDA) or of the content (CPU)."""

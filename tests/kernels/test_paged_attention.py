@@ -276,7 +276,7 @@ def test_layer_core_calls_the_paged_kernel():
     """Where the dispatch picks Triton, a paged layer's decode attention runs the paged kernel straight on the
     pages, and gives what the padded path gives."""
     from kvcompose import KVComposeCache, methods
-    from kvcompose.models import tiny_model
+    from kvcompose.bench.tiny import tiny_model
 
     model = tiny_model("llama", layers=1).to(DEVICE)
     ids = torch.randint(3, 128, (2, 20), generator=gen(1)).to(DEVICE)
@@ -292,7 +292,7 @@ def test_layer_core_calls_the_paged_kernel():
         assert cache.layers[0].events > 0 and cache.layers[0].lengths.unique().numel() > 1
         return torch.cat(out, 1)
 
-    import kvcompose.layer as layer_mod
+    import kvcompose.stores.paged as layer_mod  # the paged store owns its attention
 
     def spy(*a, **k):
         calls.append(1)

@@ -1,53 +1,142 @@
-"""Run a kvcompose block policy inside vLLM (prototype, CPU only): `pip install kvcompose[vllm]`.
+"""Any kvcompose `Pipeline` inside an unmodified vLLM (v1, 0.32): `pip install kvcompose[vllm]`.
 
-    from vllm import LLM
-    from kvcompose.integrations.vllm import engine_kwargs
+    from vllm import LLM, SamplingParams
+    from kvcompose import methods
+    from kvcompose.integrations.vllm import engine_kwargs, request_kwargs
 
-    llm = LLM(model=MODEL_DIR, **engine_kwargs(policy="streaming", budget=256, block_size=32))
+    llm = LLM(model=MODEL_DIR, **engine_kwargs(methods.rkv(), budget=512, block_size=32))
+    llm.generate(prompts, SamplingParams(max_tokens=4096))                     # the engine's method
+    llm.generate(prompts, SamplingParams(max_tokens=4096,                      # or a request's own
+                 extra_args=request_kwargs(methods.snapkv(), budget=256)))
 
-Two public vLLM extension points carry it, no fork: `scheduler_cls` (the compression event runs in
-`KVComposeScheduler.schedule`, EngineCore process) and `worker_extension_cls` (whose import overrides the
-`CPU_ATTN` backend with one whose metadata builder compacts block tables). Policies: `streaming`
-(StreamingLLM by blocks) and `random` (Random Attention by blocks); see `policy.BlockPolicy` and
-docs/serving.md for what else would need a change in vLLM. vLLM is imported only by the `scheduler`,
-`attention` and `worker` modules, never by this one.
+Every layer and KV head of a request keeps its own `budget` tokens, selected by the pipeline's own
+`Pipeline.select` over a `LayerView` of the request's paged keys and values, packed into its leading blocks
+before the step's forward; vLLM's scheduler gives the blocks behind them back to the pool. vLLM's public
+extension points carry it: `scheduler_cls` (`scheduler.KVComposeScheduler`), `worker_cls`
+(`worker.KVComposeWorker`), `register_backend` (`attention`), `additional_config` and, for `vllm serve`,
+the `vllm.general_plugins` entry point (`plugin.register`). docs/serving.md has the design, the refusals,
+the vLLM internals it relies on and the measurements. This module does not import vLLM.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .policy import POLICIES, BlockPolicy, compact_block_table, request_rng
+from ...pipeline import Pipeline
+from ...view import KVComposeError
+from .rules import (CONFIG_KEY, DEFAULT_QUERY_WINDOW, Settings, check_blocks, check_pipeline, decode_pipeline,
+                    blocks_to_free, encode_pipeline, engine_settings, event_due, keep_blocks, kept_row, layer_seed,
+                    request_settings)
 
-__all__ = ["engine_kwargs", "BlockPolicy", "POLICIES", "compact_block_table", "request_rng"]
+__all__ = ["engine_kwargs", "request_kwargs", "engine_config", "serve_args", "Settings", "check_pipeline",
+           "check_blocks", "event_due", "keep_blocks", "blocks_to_free", "kept_row", "layer_seed", "encode_pipeline", "decode_pipeline",
+           "CONFIG_KEY", "SCHEDULER_CLS", "WORKER_CLS"]
+
+SCHEDULER_CLS = "kvcompose.integrations.vllm.scheduler.KVComposeScheduler"
+WORKER_CLS = "kvcompose.integrations.vllm.worker.KVComposeWorker"
+DEFAULT_BLOCK_SIZE = 32  # the smallest block vLLM's CPU kernel takes (GPU backends take 16)
 
 
-def engine_kwargs(policy: str = "streaming", budget: int = 256, block_size: int = 32, interval: int | None = None,
-                  sink_blocks: int = 1, recent: int = 64, protect_prompt: bool = True, seed: int = 0,
-                  log_file: str | None = None) -> dict[str, Any]:
-    """Keyword arguments for `vllm.LLM` (or `EngineArgs`) that run a `BlockPolicy` inside vLLM.
+def _settings_dict(pipeline: Pipeline | str | None, budget: int | None, interval: int | None, seed: int | None,
+                   preset_args: dict[str, Any] | None) -> dict[str, Any]:
+    cfg: dict[str, Any] = {}
+    if isinstance(pipeline, str):
+        cfg["preset"] = pipeline
+        if preset_args:
+            cfg["args"] = dict(preset_args)
+    elif pipeline is not None:
+        if preset_args:
+            raise KVComposeError("preset_args go with a preset name, not with a Pipeline object")
+        cfg["pipeline"] = encode_pipeline(pipeline)
+    elif preset_args:
+        raise KVComposeError("preset_args need a preset name")
+    if budget is not None:
+        cfg["budget"] = budget
+    if interval is not None:
+        cfg["interval"] = interval
+    if seed is not None:
+        cfg["seed"] = seed
+    return cfg
 
-    Validates the policy here (a `KVComposeError` for a bad budget, interval or name) and returns
-    `scheduler_cls`, `worker_extension_cls`, `additional_config`, `block_size`, `enable_prefix_caching=False`
-    and `async_scheduling=False`. Does not import vLLM.
 
-    Args:
-        policy, budget, block_size, interval, sink_blocks, recent, protect_prompt, seed: see `BlockPolicy`.
-        log_file: optional JSONL written by the scheduler, one line per compression event.
-    """
-    p = BlockPolicy(policy=policy, budget=budget, block_size=block_size, interval=interval,
-                    sink_blocks=sink_blocks, recent=recent, protect_prompt=protect_prompt, seed=seed)
-    cfg: dict[str, Any] = {
-        "policy": p.policy, "budget": p.budget, "block_size": p.block_size, "interval": p.interval,
-        "sink_blocks": p.sink_blocks, "recent": p.recent, "protect_prompt": p.protect_prompt, "seed": p.seed,
-    }
+def engine_config(pipeline: Pipeline | str = "full", budget: int | None = None, *, interval: int | None = None,
+                  block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0, preset_args: dict[str, Any] | None = None,
+                  query_window: int | None = None, log_file: str | None = None) -> dict[str, Any]:
+    """The checked `additional_config["kvcompose"]` dict of an engine (JSON-serialisable; see `engine_kwargs`)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise KVComposeError(f"block_size must be a positive int, got {block_size!r}")
+    cfg = _settings_dict(pipeline, budget, interval, seed, preset_args)
+    base = engine_settings(cfg, block_size)  # raises on anything the engine would refuse
+    window = max(DEFAULT_QUERY_WINDOW, base.query_window) if query_window is None else query_window
+    if isinstance(window, bool) or not isinstance(window, int) or window < base.query_window:
+        raise KVComposeError(f"query_window must be an int >= the pipeline's window {base.query_window}, got {window!r}")
+    cfg["query_window"] = window
+    cfg["interval"] = base.interval
     if log_file is not None:
         cfg["log_file"] = str(log_file)
+    return cfg
+
+
+def engine_kwargs(pipeline: Pipeline | str = "full", budget: int | None = None, *, interval: int | None = None,
+                  block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0, preset_args: dict[str, Any] | None = None,
+                  query_window: int | None = None, log_file: str | None = None) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` (or `EngineArgs`) that run a kvcompose pipeline inside vLLM.
+
+    Args:
+        pipeline: a `Pipeline` (e.g. `methods.rkv()`; pickled into the engine's config, so custom blocks must
+            be importable by the engine's processes) or a preset name of `kvcompose.methods.PRESETS` with
+            `preset_args`. `"full"`: no compression (the engine still runs kvcompose's worker).
+        budget: tokens every layer and KV head of a request keeps after an event; a whole number of blocks
+            (a budget that is not is refused, with the block-aligned values around it).
+        interval: decoded tokens between events (whole blocks; default: the pipeline's own, else 64).
+        block_size: vLLM's block size (CPU: multiples of 32).
+        seed: seeds each request's per-layer generators (`seed * 1_000_003 + layer`, as `KVComposeCache`), unless
+            the request gives its own (`request_kwargs(seed=...)`).
+        query_window: queries per layer and request kept for scorers with a window (default: the largest of 64
+            and the pipeline's window); requests whose own pipeline reads more are refused.
+        log_file: a JSONL the scheduler appends one line to per compression event and preemption.
+
+    Returns:
+        `scheduler_cls`, `worker_cls`, `additional_config`, `block_size`, `enable_prefix_caching=False` and
+        `async_scheduling=False`. Raises `KVComposeError` for anything the engine would refuse that can be
+        checked without the model (docs/serving.md lists the rest). Does not import vLLM.
+    """
+    cfg = engine_config(pipeline, budget, interval=interval, block_size=block_size, seed=seed,
+                        preset_args=preset_args, query_window=query_window, log_file=log_file)
     return {
-        "scheduler_cls": "kvcompose.integrations.vllm.scheduler.KVComposeScheduler",
-        "worker_extension_cls": "kvcompose.integrations.vllm.worker.KVComposeWorkerExtension",
-        "additional_config": {"kvcompose": cfg},
-        "block_size": p.block_size,
+        "scheduler_cls": SCHEDULER_CLS,
+        "worker_cls": WORKER_CLS,
+        "additional_config": {CONFIG_KEY: cfg},
+        "block_size": block_size,
         "enable_prefix_caching": False,
         "async_scheduling": False,
     }
+
+
+def request_kwargs(pipeline: Pipeline | str | None = None, budget: int | None = None, *,
+                   interval: int | None = None, seed: int | None = None, preset_args: dict[str, Any] | None = None,
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, Any]:
+    """`SamplingParams(extra_args=...)` that give one request its own pipeline, budget, interval or seed on a
+    kvcompose engine (what is not given comes from the engine's settings). Checked here against
+    `block_size` (the engine's), again by the engine when the request arrives."""
+    cfg = _settings_dict(pipeline, budget, interval, seed, preset_args)
+    if pipeline is not None:
+        engine_settings(cfg, block_size)  # a full check needs the engine's settings for the rest
+    elif budget is not None or interval is not None:
+        check_blocks(budget or block_size, interval or block_size, block_size)
+    return {CONFIG_KEY: cfg}
+
+
+def serve_args(pipeline: str = "full", budget: int | None = None, *, interval: int | None = None,
+               block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0, preset_args: dict[str, Any] | None = None,
+               query_window: int | None = None, log_file: str | None = None) -> list[str]:
+    """The `vllm serve` command-line flags of a kvcompose engine (a preset by name: the JSON names it)."""
+    import json
+
+    if not isinstance(pipeline, str):
+        raise KVComposeError("vllm serve takes a preset name and its arguments (JSON), not a Pipeline object")
+    kw = engine_kwargs(pipeline, budget, interval=interval, block_size=block_size, seed=seed,
+                       preset_args=preset_args, query_window=query_window, log_file=log_file)
+    return ["--scheduler-cls", kw["scheduler_cls"], "--worker-cls", kw["worker_cls"],
+            "--block-size", str(block_size), "--no-enable-prefix-caching", "--no-async-scheduling",
+            "--additional-config", json.dumps(kw["additional_config"], sort_keys=True)]

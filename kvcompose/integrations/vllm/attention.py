@@ -1,56 +1,47 @@
-"""Worker side of the vLLM prototype: vLLM's CPU attention backend with a metadata builder that removes freed
-(null) blocks from each request's block-table row and shortens its sequence length to match
-(`compact_block_table`). The kernel, the KV write (`slot_mapping`) and the positions are vLLM's own.
+"""kvcompose's attention backends for vLLM: the platform's backend (`CPU_ATTN`; on CUDA `FLASH_ATTN` and
+`TRITON_ATTN`) with two mixins, registered over it through vLLM's public `register_backend`.
 
-`register()` overrides vLLM's `CPU_ATTN` backend through the public `register_backend` of
-`vllm.v1.attention.backends.registry`; it must run in the worker process before the model is built, which
-importing `kvcompose.integrations.vllm.worker` (vLLM's `worker_extension_cls`) does.
+* `PhysicalLengths` (metadata builder): when a request of the step's batch was compressed, the kernel gets
+  the physical lengths (`seq_lens` = held + new tokens) and the step's `slot_mapping` is rewritten in place
+  from the physical positions and the compacted block table (`Runtime.slots`); the logical positions
+  (RoPE) are untouched. The same tensor is the forward context's slot mapping, so the KV write of every
+  layer lands at the physical slots.
+* `RecordQueries` (impl): before vLLM's attention, writes the step's planned post-RoPE queries of the layer
+  into kvcompose's ring (`Runtime.record`).
+
+Both are pass-through until a kvcompose worker attaches its `Runtime` (`_kvc`): an engine without kvcompose
+in the same process runs vLLM's code unchanged. Only `CPU_ATTN` runs here; the CUDA classes
+(`attention_gpu.py`) are written from vLLM's source and untested.
+
+Relies on (not a stable vLLM API): `CommonAttentionMetadata.replace` and its fields `seq_lens`,
+`seq_lens_cpu_upper_bound`, `max_seq_len`, `block_table_tensor`, `slot_mapping`, `_num_computed_tokens_cache`;
+the impls' `forward(layer, query, key, value, kv_cache, attn_metadata, output, ...)` signature.
 """
 
 from __future__ import annotations
 
 try:
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadataBuilder
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        f"{__name__} needs vLLM (pip install kvcompose[vllm]; see docs/serving.md): {e}"
-    ) from e
+    raise ImportError(f"{__name__} needs vLLM (pip install kvcompose[vllm]; see docs/serving.md): {e}") from e
 
-from .policy import compact_block_table
+from .backend import PhysicalLengths, RecordQueries, backend_kind, make_backend
 
-__all__ = ["KVComposeCPUAttentionBackend", "KVComposeCPUAttentionMetadataBuilder", "register"]
+__all__ = ["PhysicalLengths", "RecordQueries", "register", "backend_kind", "make_backend"]
 
+if current_platform.is_cpu():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-class KVComposeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
-    """`CPUAttentionMetadataBuilder` that hands the kernel compacted block tables (freed blocks removed).
-
-    Runs once per KV-cache group and step; costs one pass over the `[requests, max_blocks]` table, and
-    nothing more when no block is null.
-    """
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        cm = common_attn_metadata
-        table, seq_lens, n_freed = compact_block_table(cm.block_table_tensor, cm.seq_lens, self.block_size)
-        if n_freed:
-            upper = cm.seq_lens_cpu_upper_bound
-            if upper is not None:
-                upper = upper - (cm.seq_lens - seq_lens).to(upper.dtype)
-            cm = cm.replace(block_table_tensor=table, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()),
-                            seq_lens_cpu_upper_bound=upper, _num_computed_tokens_cache=None)
-        return super().build(common_prefix_len, cm, fast_build)
-
-
-class KVComposeCPUAttentionBackend(CPUAttentionBackend):
-    """vLLM's CPU attention backend (same name, kernel and KV layout) with the compacting builder."""
-
-    @staticmethod
-    def get_builder_cls():
-        return KVComposeCPUAttentionMetadataBuilder
+    KVComposeCPUAttentionBackend = make_backend(CPUAttentionBackend, "KVComposeCPUAttentionBackend")
+    KVComposeCPUAttentionBackend.__module__ = __name__
 
 
 def register() -> None:
-    """Make vLLM's `CPU_ATTN` backend resolve to `KVComposeCPUAttentionBackend` in this process."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    """Resolve this platform's attention backends to kvcompose's (in this process; idempotent)."""
+    if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.KVComposeCPUAttentionBackend")
+    elif current_platform.is_cuda_alike():  # pragma: no cover - no GPU here
+        from . import attention_gpu
 
-    register_backend(AttentionBackendEnum.CPU_ATTN,
-                     f"{KVComposeCPUAttentionBackend.__module__}.{KVComposeCPUAttentionBackend.__qualname__}")
+        attention_gpu.register()

@@ -1,164 +1,184 @@
-"""Scheduler side of the vLLM prototype: a `Scheduler` subclass that runs a `BlockPolicy` as the compression
-event of every running request, frees the chosen blocks, and re-sends the request's block table.
+"""The scheduler of a kvcompose vLLM engine: vLLM's `Scheduler`, loaded through its public `scheduler_cls`
+setting (`engine_kwargs` sets it), which frees the blocks behind each compressed request's kept tokens.
 
-Where it runs: in vLLM's EngineCore process, at the start of `Scheduler.schedule()`, before the scheduler
-allocates this step's new blocks (so the freed blocks are already available to every request of the step).
-vLLM loads it through its public `scheduler_cls` setting (`engine_kwargs` sets it).
+At the end of every `schedule()`, for each request the step runs, it applies the worker's own rule to the
+same counts (`rules.event_due` on the prompt length and the `num_computed_tokens` the step sends the worker):
+when the worker will compress the request before this step's forward, the scheduler keeps the request's
+first `budget / block_size` real blocks (the worker packs every layer's and KV head's kept tokens there) and
+every block from the logical block of `num_computed_tokens` on, and returns the others to vLLM's pool. They
+serve other requests from the next step on; the worker's packing is done by then. Positions stay logical:
+the freed entries of the request's block list become vLLM's null block, as its sliding-window managers do.
 
-What it touches inside vLLM (v0.32; see docs/serving.md for why each is needed):
+It also refuses, at start-up, every setting the route cannot honour (`check_engine`), and each request's
+settings (`SamplingParams.extra_args["kvcompose"]`) when the request arrives.
 
-* `KVCacheManager.coordinator.single_type_managers[0].req_to_blocks[request_id]`: the request's block list;
-  a freed entry becomes `BlockPool.null_block`, as vLLM's own sliding-window managers do;
-* `BlockPool.free_blocks`: returns the freed blocks to the pool;
-* `CachedRequestData.resumed_req_ids` / `new_block_ids` of the step's `SchedulerOutput`: a request whose
-  blocks were freed is marked "resumed" with its whole block list, so the worker replaces its block-table row
-  (otherwise the worker only ever appends, and would keep reading blocks now given to other requests).
-
-Requirements it checks: one KV-cache group of full attention, prefix caching off (blocks written after an
-eviction depend on it, so their hashes must not be published), synchronous scheduling, no speculative
-decoding, no pipeline parallelism.
+What it relies on inside vLLM 0.32 that is not a stable API: `KVCacheManager.coordinator
+.single_type_managers[0].req_to_blocks`, `BlockPool.null_block` / `free_blocks`, `KVCacheBlock.is_null`,
+`SchedulerOutput.scheduled_cached_reqs` (`req_ids`, `num_computed_tokens`, `resumed_req_ids`),
+`Request.num_prompt_tokens` / `sampling_params`.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from dataclasses import dataclass
 
 try:
     from vllm.logger import init_logger
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    from vllm.v1.request import RequestStatus
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        f"{__name__} needs vLLM (pip install kvcompose[vllm]; see docs/serving.md): {e}"
-    ) from e
+    raise ImportError(f"{__name__} needs vLLM (pip install kvcompose[vllm]; see docs/serving.md): {e}") from e
 
 from ...view import KVComposeError
-from .policy import BlockPolicy, request_rng
+from .rules import CONFIG_KEY, Settings, blocks_to_free, engine_settings, event_due, request_settings
 
-__all__ = ["KVComposeScheduler", "CONFIG_KEY"]
+__all__ = ["KVComposeScheduler", "check_engine"]
 
 logger = init_logger(__name__)
 
-CONFIG_KEY = "kvcompose"
-"""Key of the policy's settings in vLLM's `additional_config`."""
+
+def check_engine(vllm_config, kv_cache_config=None) -> None:
+    """Refuse, with the reason, an engine whose settings the vLLM route cannot honour."""
+    cache, sched, par = vllm_config.cache_config, vllm_config.scheduler_config, vllm_config.parallel_config
+    model = vllm_config.model_config
+    if not (vllm_config.additional_config or {}).get(CONFIG_KEY):
+        raise KVComposeError(f"a kvcompose engine needs additional_config[{CONFIG_KEY!r}] (use engine_kwargs)")
+    problems = []
+    if cache.enable_prefix_caching:
+        problems.append("prefix caching (blocks written after an eviction depend on it: enable_prefix_caching=False)")
+    if sched.async_scheduling:
+        problems.append("async scheduling (async_scheduling=False: the worker and the scheduler count the same steps)")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding")
+    if par.pipeline_parallel_size > 1 or par.tensor_parallel_size > 1:
+        problems.append("pipeline or tensor parallelism (untested; head-coupled scorers would see one rank's heads)")
+    if getattr(par, "decode_context_parallel_size", 1) > 1 or getattr(par, "prefill_context_parallel_size", 1) > 1:
+        problems.append("context parallelism")
+    if vllm_config.kv_transfer_config is not None:
+        problems.append("KV connectors (offloading / disaggregation move blocks kvcompose packs)")
+    if cache.cache_dtype not in ("auto", None):
+        problems.append(f"a quantized KV cache (kv_cache_dtype={cache.cache_dtype!r}; scorers read raw keys)")
+    if model is not None:
+        if model.is_encoder_decoder:
+            problems.append("encoder-decoder models")
+        if getattr(model, "uses_mrope", False):
+            problems.append("M-RoPE models (positions are computed from token counts here)")
+        if getattr(model, "use_mla", False):
+            problems.append("MLA attention")
+    if vllm_config.use_v2_model_runner:
+        problems.append("model runner V2 (set VLLM_USE_V2_MODEL_RUNNER=0: kvcompose hooks the V1 runner)")
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is not None and mode.has_full_cudagraphs():
+        problems.append(f"full CUDA graphs (cudagraph_mode={mode.name}: the builder's lengths change per step; use "
+                        "PIECEWISE or enforce_eager=True)")
+    if kv_cache_config is not None:
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            problems.append(f"{len(groups)} KV-cache groups (kvcompose packs one block table)")
+        elif not isinstance(groups[0].kv_cache_spec, FullAttentionSpec) or isinstance(
+                groups[0].kv_cache_spec, SlidingWindowSpec) or getattr(groups[0].kv_cache_spec, "sliding_window", None):
+            problems.append(f"{type(groups[0].kv_cache_spec).__name__} KV caches (full attention only)")
+    if problems:
+        raise KVComposeError("kvcompose's vLLM route cannot run with: " + "; ".join(problems))
 
 
-def _user_id(request_id: str) -> str:
-    """The id the user gave: vLLM's `InputProcessor.assign_request_id` appends "-" and 8 random characters,
-    which would make the random policy's draws differ between two runs of the same requests."""
-    head, _, tail = request_id.rpartition("-")
-    return head if head and len(tail) == 8 and tail.isalnum() else request_id
+@dataclass
+class _State:
+    settings: Settings
+    prompt_len: int
+    last: int = 0
+    held: int = 0
+    events: int = 0
 
 
 class KVComposeScheduler(Scheduler):
-    """vLLM's `Scheduler` plus a block-granular kvcompose policy (prototype; see the module docstring).
+    """vLLM's `Scheduler` plus the block side of kvcompose's compression events (see the module docstring).
 
-    Settings come from `vllm_config.additional_config["kvcompose"]`: the `BlockPolicy` fields and an optional
-    `log_file` (JSONL, one line per compression event: request id, computed tokens, freed logical blocks,
-    blocks held after the event, and the policy's wall time).
+    Settings come from `vllm_config.additional_config["kvcompose"]` (see `engine_kwargs`); `log_file` there
+    names a JSONL written with one line per event (request id, counts, blocks freed, blocks and requests
+    running, free blocks) and one per preemption.
     """
 
     def __init__(self, vllm_config, kv_cache_config, *args, **kwargs) -> None:
+        check_engine(vllm_config, kv_cache_config)
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
-        cfg = dict((vllm_config.additional_config or {}).get(CONFIG_KEY) or {})
-        if not cfg:
-            raise KVComposeError(f"KVComposeScheduler needs additional_config[{CONFIG_KEY!r}] (use engine_kwargs)")
-        self._kvc_log_file = cfg.pop("log_file", None)
-        self.kvc_policy = BlockPolicy(**cfg)
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-            raise KVComposeError("the kvcompose vLLM prototype supports one KV-cache group of full attention")
-        block_size = groups[0].kv_cache_spec.block_size
-        if block_size != self.kvc_policy.block_size:
-            raise KVComposeError(
-                f"vLLM's block size is {block_size}, the policy's {self.kvc_policy.block_size}: pass the same"
-            )
-        if self.cache_config.enable_prefix_caching:
-            raise KVComposeError("turn prefix caching off (enable_prefix_caching=False) with a kvcompose policy")
-        if self.scheduler_config.async_scheduling:
-            raise KVComposeError("the kvcompose vLLM prototype needs async_scheduling=False")
-        if vllm_config.speculative_config is not None or self.use_pp:
-            raise KVComposeError("the kvcompose vLLM prototype supports neither speculative decoding nor PP")
-        pool = self.kv_cache_manager.block_pool
-        if pool.null_block.block_id != 0:
-            raise KVComposeError("vLLM's null block is expected to have id 0")
+        cfg = dict(vllm_config.additional_config[CONFIG_KEY])
+        self._kvc_block = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self._kvc_base = engine_settings(cfg, self._kvc_block)
+        self._kvc_log = cfg.get("log_file")
         self._kvc_manager = self.kv_cache_manager.coordinator.single_type_managers[0]
-        self._kvc_pending: set[str] = set()
-        self._kvc_rngs: dict[str, Any] = {}
+        self._kvc: dict[str, _State] = {}
         self.kvc_events = 0
         self.kvc_blocks_freed = 0
-        self.kvc_seconds = 0.0
-        logger.info("kvcompose block policy: %s", self.kvc_policy)
+        self.kvc_peak_running = 0
+        logger.info("kvcompose scheduler: %s, budget %s, interval %s, block size %d", self._kvc_base.pipeline,
+                    self._kvc_base.budget, self._kvc_base.interval, self._kvc_block)
 
-    # ------------------------------------------------------------------ compression event
-    def _kvc_compress(self) -> None:
-        pool = self.kv_cache_manager.block_pool
-        null = pool.null_block
-        lines = []
-        for req in self.running:
-            rid = req.request_id
-            blocks = self._kvc_manager.req_to_blocks.get(rid)
-            if not blocks:
-                continue
-            t0 = time.perf_counter()
-            resident = [i for i, b in enumerate(blocks) if not b.is_null]
-            rng = None
-            if self.kvc_policy.policy == "random":
-                rng = self._kvc_rngs.get(rid)
-                if rng is None:
-                    rng = self._kvc_rngs[rid] = request_rng(self.kvc_policy.seed, _user_id(rid))
-            evict = self.kvc_policy.plan(resident, req.num_computed_tokens, req.num_prompt_tokens, rng)
-            if not evict:
-                continue
-            freed = []
-            for i in evict:
-                freed.append(blocks[i])
-                blocks[i] = null
-            pool.free_blocks(freed)
-            dt = time.perf_counter() - t0
-            self._kvc_pending.add(rid)
-            self.kvc_events += 1
-            self.kvc_blocks_freed += len(freed)
-            self.kvc_seconds += dt
-            if self._kvc_log_file:
-                lines.append(json.dumps({
-                    "request_id": rid, "num_computed_tokens": req.num_computed_tokens,
-                    "num_prompt_tokens": req.num_prompt_tokens, "freed": evict,
-                    "held_blocks": len(resident) - len(evict), "seconds": dt,
-                }))
-        if lines:
-            with open(self._kvc_log_file, "a") as f:
-                f.write("\n".join(lines) + "\n")
+    def add_request(self, request) -> None:
+        """vLLM's, after the request's own kvcompose settings (`extra_args`) are checked."""
+        sp = request.sampling_params
+        settings = request_settings(sp.extra_args if sp is not None else None, self._kvc_block, self._kvc_base)
+        self._kvc[request.request_id] = _State(settings=settings, prompt_len=request.num_prompt_tokens)
+        super().add_request(request)
 
-    def _kvc_resend(self, out) -> None:
-        """Mark the requests whose blocks were freed as resumed, with their whole block list, so that the
-        worker replaces their block-table row."""
-        if not self._kvc_pending:
-            return
-        cached = out.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            if rid not in self._kvc_pending or rid in cached.resumed_req_ids:
-                self._kvc_pending.discard(rid)
-                continue
-            req = self.requests[rid]
-            cached.resumed_req_ids.add(rid)
-            cached.new_block_ids[i] = self.kv_cache_manager.get_block_ids(rid)
-            cached.all_token_ids[rid] = req.all_token_ids.copy()
-            self._kvc_pending.discard(rid)
-        # requests that were preempted get their whole (fresh) block list when they resume
-        for rid in list(self._kvc_pending):
-            req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                self._kvc_pending.discard(rid)
+    def _preempt_request(self, request, *args, **kwargs):
+        st = self._kvc.get(request.request_id)
+        if st is not None:
+            st.last = st.held = 0
+            self._kvc_write({"preempted": request.request_id, "num_computed_tokens": request.num_computed_tokens})
+        return super()._preempt_request(request, *args, **kwargs)
 
     def schedule(self, *args, **kwargs):
-        """Run the compression event of every running request, then vLLM's own scheduling step."""
-        self._kvc_compress()
+        """vLLM's scheduling step, then the blocks of this step's compression events go back to the pool."""
         out = super().schedule(*args, **kwargs)
-        self._kvc_resend(out)
-        for rid in [r for r in self._kvc_rngs if r not in self.requests]:
-            del self._kvc_rngs[rid]
+        self._kvc_events(out)
+        self.kvc_peak_running = max(self.kvc_peak_running, len(self.running))
+        for rid in [r for r in self._kvc if r not in self.requests]:
+            del self._kvc[rid]
         return out
+
+    def _kvc_events(self, out) -> None:
+        cached = out.scheduled_cached_reqs
+        pool = self.kv_cache_manager.block_pool
+        lines = []
+        for i, rid in enumerate(cached.req_ids):
+            st = self._kvc.get(rid)
+            if st is None:
+                continue
+            c = cached.num_computed_tokens[i]
+            if rid in cached.resumed_req_ids or c < st.last:
+                st.last = st.held = 0
+            st.held += c - st.last
+            s = st.settings
+            due = s.compresses and event_due(st.prompt_len, st.last, c, s.interval, st.held, s.budget)
+            st.last = c
+            if not due:
+                continue
+            t0 = time.perf_counter()
+            blocks = self._kvc_manager.req_to_blocks[rid]
+            real = [j for j, b in enumerate(blocks) if not b.is_null]
+            freed = blocks_to_free(real, c, s.budget, self._kvc_block)
+            null = pool.null_block
+            gone = []
+            for j in freed:
+                gone.append(blocks[j])
+                blocks[j] = null
+            pool.free_blocks(gone)
+            st.held = s.budget
+            st.events += 1
+            self.kvc_events += 1
+            self.kvc_blocks_freed += len(gone)
+            if self._kvc_log:
+                lines.append({"request_id": rid, "num_computed_tokens": c, "num_prompt_tokens": st.prompt_len,
+                              "freed": len(gone), "held_blocks": len(real) - len(gone),
+                              "running": len(self.running), "free_blocks": pool.get_num_free_blocks(),
+                              "seconds": time.perf_counter() - t0})
+        for line in lines:
+            self._kvc_write(line)
+
+    def _kvc_write(self, line: dict) -> None:
+        if self._kvc_log:
+            with open(self._kvc_log, "a") as f:
+                f.write(json.dumps(line) + "\n")

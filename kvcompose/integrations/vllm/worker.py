@@ -1,14 +1,270 @@
-"""Loaded by vLLM in each worker process as `worker_extension_cls` (see `engine_kwargs`): importing it
-registers the compacting attention backend (`attention.register`) before the worker builds its model."""
+"""The worker of a kvcompose vLLM engine: vLLM's worker class for the platform (`CPUWorker` on CPU, `Worker` on
+CUDA), loaded through vLLM's public `worker_cls` setting (`engine_kwargs` sets it), with kvcompose's steps
+mixed into its model runner.
+
+Per step, in vLLM's `GPUModelRunner.execute_model` (the V1 runner, which `CPUModelRunner` extends):
+
+1. `_update_states` (kvcompose first, then vLLM's): new requests get their settings; finished ones go;
+   preempted ones restart; every scheduled request's physical count advances by what the previous step
+   wrote; a request whose event is due is compressed (`Runtime.compress`: every layer's kept tokens
+   packed into its leading blocks) and its block-table row cut, in the persistent batch and in the runner's
+   request state. All of it before vLLM's own update, which may zero newly allocated blocks, and before the
+   forward.
+2. After vLLM's update the batch order is final: `Runtime.plan` gives the attention builder the physical
+   positions and lengths of the step, and the attention impls the ring indices of the queries to record.
+3. The forward runs with kvcompose's backend (`attention.py`); the plan is dropped afterwards, so dummy runs
+   see vLLM's path.
+
+What it relies on inside vLLM 0.32 that is not a stable API (docs/serving.md lists them all):
+`GPUModelRunner._update_states` / `execute_model` (overridden through a subclass swapped onto the runner
+object, `__class__`), `runner.requests[req_id].block_ids`, `runner.input_batch` (`req_id_to_index`,
+`req_ids`, `num_computed_tokens_cpu`, `block_table[0].block_table.np` / `num_blocks_per_row`),
+`SchedulerOutput` / `CachedRequestData` / `NewRequestData` fields, `runner.attn_groups[..][..]
+.metadata_builders`, `compilation_config.static_forward_context[layer].kv_cache` / `.impl`.
+"""
 
 from __future__ import annotations
 
-from .attention import register
+import time
+from typing import Any
 
-__all__ = ["KVComposeWorkerExtension"]
+try:
+    from vllm.logger import init_logger
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(f"{__name__} needs vLLM (pip install kvcompose[vllm]; see docs/serving.md): {e}") from e
 
-register()
+if current_platform.is_cpu():
+    from vllm.v1.worker.cpu_worker import CPUWorker as _PlatformWorker
+elif current_platform.is_cuda_alike():
+    from vllm.v1.worker.gpu_worker import Worker as _PlatformWorker
+else:  # pragma: no cover - other platforms
+    raise ImportError(f"kvcompose's vLLM worker supports the CPU and CUDA platforms, not {current_platform!r}")
+
+from ...view import KVComposeError
+from .attention import backend_kind, register
+from .rules import CONFIG_KEY, DEFAULT_QUERY_WINDOW, engine_settings, request_settings
+from .runtime import PagedLayout, Runtime
+
+__all__ = ["KVComposeWorker", "KVComposeRunner"]
+
+logger = init_logger(__name__)
+
+register()  # kvcompose's attention backends, in this worker process, before the model is built
 
 
-class KVComposeWorkerExtension:
-    """Empty worker extension: vLLM mixes it into its worker class; its import does the registration."""
+class KVComposeRunner:
+    """Mixed into vLLM's V1 model runner (see the module docstring). State: `_kvc` (`Runtime`)."""
+
+    _kvc: Runtime | None = None
+
+    def _kvc_setup(self, vllm_config, kv_cache_config) -> None:
+        cfg = dict((vllm_config.additional_config or {}).get(CONFIG_KEY) or {})
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise KVComposeError(f"kvcompose's vLLM route supports one KV-cache group, the model has {len(groups)}")
+        spec = groups[0].kv_cache_spec
+        block_size = spec.block_size
+        self._kvc_base = engine_settings(cfg, block_size)
+        ctx = self.compilation_config.static_forward_context
+        names = sorted(groups[0].layer_names, key=extract_layer_index)
+        layers = [ctx[n] for n in names]
+        impls = [layer.impl for layer in layers]
+        for i, (layer, impl) in enumerate(zip(layers, impls)):
+            if getattr(impl, "sliding_window", None) not in (None, -1) or getattr(impl, "alibi_slopes", None) is not None:
+                raise KVComposeError(f"layer {names[i]} uses a sliding window or ALiBi: both read positions from the "
+                                     "physical index, which compression changes")
+            impl._kvc, impl._kvc_layer = None, i
+        kinds = {g.backend.get_name() for gs in self.attn_groups for g in gs}
+        if len(kinds) != 1:
+            raise KVComposeError(f"kvcompose's vLLM route needs one attention backend, the model uses {sorted(kinds)}")
+        kind = backend_kind(kinds.pop())
+        kv = [layer.kv_cache for layer in layers]
+        maps = None
+        if kind == "CPU_ATTN":
+            maps = cpu_layout_maps(layers[0], spec.num_kv_heads, block_size, spec.head_size, kv[0].dtype)
+        self._kvc = Runtime(
+            num_layers=len(layers), num_kv_heads=spec.num_kv_heads, num_q_heads=impls[0].num_heads,
+            head_dim=spec.head_size, block_size=block_size, device=kv[0].device, dtype=kv[0].dtype,
+            scales=[float(impl.scale) for impl in impls], max_seqs=self.scheduler_config.max_num_seqs,
+            query_window=int(cfg.get("query_window") or max(DEFAULT_QUERY_WINDOW, self._kvc_base.query_window)),
+            layout=PagedLayout(kind, spec.head_size, block_size, maps),
+        )
+        self._kvc_kv = kv
+        for impl in impls:
+            impl._kvc = self._kvc
+        for gs in self.attn_groups:
+            for g in gs:
+                for b in g.metadata_builders:
+                    b._kvc = self._kvc
+        logger.info("kvcompose: %s, budget %s, interval %s, %d layers x %d KV heads, ring window %d",
+                    self._kvc_base.pipeline, self._kvc_base.budget, self._kvc_base.interval, len(layers),
+                    spec.num_kv_heads, self._kvc.W)
+
+    # -- per step ---------------------------------------------------------------------------------
+    def _kvc_before(self, so) -> None:
+        rt = self._kvc
+        for rid in so.finished_req_ids:
+            rt.remove(rid)
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            rt.restart(rid, preempted=True)
+        for new in so.scheduled_new_reqs:
+            if new.req_id not in rt.requests:
+                settings = request_settings(new.sampling_params.extra_args if new.sampling_params else None,
+                                            self._kvc_block_size, self._kvc_base)
+                n_prompt = len(new.prompt_token_ids) if new.prompt_token_ids is not None else len(new.prompt_embeds)
+                st = rt.add(new.req_id, settings, n_prompt)
+                st.last = new.num_computed_tokens
+                st.held = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        bt = self.input_batch.block_table[0]
+        for i, rid in enumerate(cached.req_ids):
+            c = cached.num_computed_tokens[i]
+            if rid in resumed:
+                rt.restart(rid)
+            st = rt.advance(rid, c)
+            if st is None:
+                continue
+            if rt.due(st, c):
+                req = self.requests[rid]
+                row = req.block_ids[0]
+                keep = rt.compress(rid, st, c, row, self._kvc_kv)
+                row[:] = keep  # the runner's copy (rebuilds the batch row if the request leaves and returns)
+                idx = self.input_batch.req_id_to_index.get(rid)
+                if idx is not None:
+                    n_old = int(bt.num_blocks_per_row[idx])
+                    bt.block_table.np[idx, :len(keep)] = keep
+                    bt.block_table.np[idx, len(keep):n_old] = 0
+                    bt.num_blocks_per_row[idx] = len(keep)
+            st.last = c
+
+    def _kvc_after(self, so) -> None:
+        rt = self._kvc
+        ib = self.input_batch
+        batch = []
+        blocks = 0
+        bt = ib.block_table[0]
+        for r in range(ib.num_reqs):
+            rid = ib.req_ids[r]
+            batch.append((rid, int(ib.num_computed_tokens_cpu[r]), so.num_scheduled_tokens[rid]))
+            blocks += int(bt.num_blocks_per_row[r])
+        rt.plan(batch)
+        rt.stats.peak_requests = max(rt.stats.peak_requests, len(batch))
+        rt.stats.request_steps += len(batch)
+        rt.stats.peak_blocks = max(rt.stats.peak_blocks, blocks)
+
+    @property
+    def _kvc_block_size(self) -> int:
+        return self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+
+    def _update_states(self, scheduler_output):
+        rt = self._kvc
+        if rt is None:
+            return super()._update_states(scheduler_output)
+        ev0, t0 = rt.stats.event_seconds, time.perf_counter()
+        self._kvc_before(scheduler_output)
+        rt.stats.plan_seconds += time.perf_counter() - t0 - (rt.stats.event_seconds - ev0)  # events count their own
+        out = super()._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens:
+            t1 = time.perf_counter()
+            self._kvc_after(scheduler_output)
+            rt.stats.plan_seconds += time.perf_counter() - t1
+        return out
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        try:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            if self._kvc is not None:
+                self._kvc.step = None
+
+
+def cpu_layout_maps(layer, heads: int, block_size: int, head_size: int, dtype) -> tuple:
+    """Where vLLM's CPU kernel keeps each (slot, dim) of a block's keys and values, measured with its own
+    cache-write op (`cpu_attn_reshape_and_cache`, with the layer's ISA): two probes write the slot index and
+    the dim index of every element into a scratch block, whose regions then name each element's offset.
+    Returns `(kmap, vmap)`, `[block_size, D]` offsets (see `runtime.PagedLayout`)."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    n = block_size * head_size
+    found = []
+    for probe in ("slot", "dim"):
+        kv = torch.zeros(1, heads, block_size, 2 * head_size, dtype=dtype)
+        kc, vc = kv.view(1, heads, 2 * block_size, head_size).chunk(2, dim=2)
+        s = torch.arange(block_size)[:, None].expand(block_size, head_size)
+        d = torch.arange(head_size)[None, :].expand(block_size, head_size)
+        mark = (s if probe == "slot" else d) + 1  # small integers: exact in bf16 up to 256
+        x = mark[:, None, :].expand(block_size, heads, head_size).to(dtype).contiguous()
+        ops.cpu_attn_reshape_and_cache(x, x, kc, vc, torch.arange(block_size), layer.isa, k_scale=1.0, v_scale=1.0,
+                                       kv_cache_dtype="auto")
+        flat = kv.view(1, heads, 2 * n)[0, 0].float().round().long() - 1
+        found.append((flat[:n], flat[n:]))
+    maps = []
+    for part in (0, 1):
+        slot_of, dim_of = found[0][part], found[1][part]
+        m = torch.full((block_size, head_size), -1, dtype=torch.long)
+        ok = (slot_of >= 0) & (slot_of < block_size) & (dim_of >= 0) & (dim_of < head_size)
+        m[slot_of[ok], dim_of[ok]] = torch.arange(n)[ok]
+        if int(ok.sum()) != n or bool((m < 0).any()):
+            raise KVComposeError(f"kvcompose could not read vLLM's CPU KV layout (ISA {layer.isa!r}, block "
+                                 f"{block_size}, head size {head_size}, {dtype})")
+        maps.append(m.to(layer.kv_cache.device))
+    return maps[0], maps[1]
+
+
+_RUNNERS: dict[type, type] = {}
+
+
+def _runner_class(cls: type) -> type:
+    """vLLM's runner class with `KVComposeRunner` mixed in (one per class)."""
+    if cls not in _RUNNERS:
+        _RUNNERS[cls] = type(f"KVCompose{cls.__name__}", (KVComposeRunner, cls), {})
+    return _RUNNERS[cls]
+
+
+class KVComposeWorker(_PlatformWorker):
+    """vLLM's worker for this platform, whose model runner runs kvcompose's steps; `kvcompose_stats()` (through
+    `LLM.collective_rpc("kvcompose_stats")`) returns the worker's counters."""
+
+    def init_device(self):
+        super().init_device()
+        runner = self.model_runner
+        if type(runner).__module__.startswith("vllm.v1.worker.gpu.") or not isinstance(runner, GPUModelRunner):
+            raise KVComposeError(
+                f"kvcompose's vLLM route runs in vLLM's V1 model runner; this engine built {type(runner).__name__} "
+                "(model runner V2): set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        runner.__class__ = _runner_class(type(runner))
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        super().initialize_from_config(kv_cache_config)
+        self.model_runner._kvc_setup(self.vllm_config, kv_cache_config)
+
+    def execute_model(self, scheduler_output):
+        t0 = time.perf_counter()
+        try:
+            return super().execute_model(scheduler_output)
+        finally:
+            self._kvc_time(t0, count=scheduler_output.total_num_scheduled_tokens > 0)
+
+    def sample_tokens(self, grammar_output):
+        t0 = time.perf_counter()
+        try:
+            return super().sample_tokens(grammar_output)
+        finally:
+            self._kvc_time(t0, count=False)
+
+    def _kvc_time(self, t0: float, count: bool) -> None:
+        rt = getattr(self.model_runner, "_kvc", None)
+        if rt is not None:
+            rt.stats.step_seconds += time.perf_counter() - t0
+            rt.stats.steps += int(count)
+
+    def kvcompose_stats(self) -> dict[str, Any]:
+        """The worker's kvcompose counters (`runtime.Stats`), for `LLM.collective_rpc("kvcompose_stats")`."""
+        rt = getattr(self.model_runner, "_kvc", None)
+        return {} if rt is None else rt.stats.as_dict()

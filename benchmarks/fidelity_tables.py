@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""The 32-prompt fidelity tables of docs/results.md from the `fidelity.json` of `kvcompose bench fidelity` runs.
+
+Reads the rows (engine, method, budget, per-trace top-1 / KL) of every run folder given, and writes, under
+`--out` (a folder; JSON next to each Markdown table):
+
+- `main.md/json`: every method (kvcompose presets, compositions, kvpress presses in DecodingPress) x budget:
+  mean KL and top-1 with 95% percentile bootstrap intervals over prompts (seeded).
+- `compositions.md/json`: each composition against its two parents (`benchmarks/compositions.py` PARENTS):
+  the paired bootstrap ratio of mean KL to the better parent; "beats both" when the whole interval is below 1.
+- `snapkv.md/json`: kvcompose's snapkv, the steps to kvpress's rule, kvpress's SnapKV as shipped and sorted.
+- `target.md/json`: the chosen pipeline against kvpress's best decode press per budget, on the prompt set it
+  was chosen on and on the held-out set (`--heldout` run folders), with paired ratio intervals.
+
+    python benchmarks/fidelity_tables.py --runs runs/main-kvc runs/main-kvp ... --heldout runs/held-kvc \\
+        runs/held-kvp --target "h2o+prompt" --out docs/results/fidelity32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from kvcompose.bench.metrics import bootstrap_mean, bootstrap_ratio  # noqa: E402
+from kvcompose.bench.report import fmt  # noqa: E402
+
+BUDGETS = [128, 256, 512]
+
+
+def _engine(e: str) -> str:
+    return "kvcompose" if e == "kvcompose" else "kvpress"
+
+
+def load_rows(folders: list[str]) -> tuple[dict[tuple[str, str, int | None], dict], list[dict]]:
+    """`{(engine, method, budget): row}` (engine "kvcompose" or "kvpress") and the runs' metadata."""
+    rows: dict[tuple[str, str, int | None], dict] = {}
+    meta = []
+    for f in folders:
+        d = json.loads((Path(f) / "fidelity.json").read_text())
+        meta.append({"folder": Path(f).name, "command": d.get("config", {}).get("command", ""),
+                     "versions": d.get("versions", {}), "selection": d.get("selection"),
+                     "engines": sorted({r["engine"] for r in d["rows"]})})
+        for r in d["rows"]:
+            if "error" in r or r.get("kind") not in ("sampled",):
+                continue
+            rows[(_engine(r["engine"]), r["method"], r["budget"])] = r
+    return rows, meta
+
+
+def _per(row: dict) -> dict[str, float]:
+    return {p["id"]: p["kl_mean"] for p in row["per_trace"]}
+
+
+def _per_top1(row: dict) -> dict[str, float]:
+    return {p["id"]: p["top1"] for p in row["per_trace"]}
+
+
+def stats(row: dict, seed: int = 0) -> dict[str, Any]:
+    kl, t1 = _per(row), _per_top1(row)
+    ids = sorted(kl)
+    n = [1.0] * len(ids)  # equal trace lengths: the pooled mean is the mean of per-trace means
+    return {"n": len(ids), "kl": sum(kl.values()) / len(ids), "kl_ci": bootstrap_mean([kl[i] for i in ids], n, seed=seed),
+            "top1": sum(t1.values()) / len(ids), "top1_ci": bootstrap_mean([t1[i] for i in ids], n, seed=seed)}
+
+
+def ratio(a: dict, b: dict, seed: int = 0) -> tuple[float, float, float]:
+    """Paired bootstrap ratio of mean KL a / b over the prompts both rows have."""
+    ka, kb = _per(a), _per(b)
+    ids = sorted(set(ka) & set(kb))
+    if len(ids) < len(ka) or len(ids) < len(kb):
+        raise SystemExit(f"rows compared on different prompts ({len(ka)} and {len(kb)}, {len(ids)} shared)")
+    ones = [1.0] * len(ids)
+    return bootstrap_ratio([ka[i] for i in ids], ones, [kb[i] for i in ids], ones, seed=seed)
+
+
+def _cell(s: dict | None, key: str, digits: int) -> str:
+    if s is None:
+        return "-"
+    lo, hi = s[f"{key}_ci"]
+    return f"{fmt(s[key], digits)} [{fmt(lo, digits)}, {fmt(hi, digits)}]"
+
+
+def main_table(rows, budgets) -> tuple[str, list[dict]]:
+    order: list[tuple[str, str]] = []
+    for (e, m, _b) in rows:
+        if (e, m) not in order and m != "full":
+            order.append((e, m))
+    order.sort(key=lambda x: (x[0] != "kvcompose", x[1]))
+    out_rows = []
+    kl_lines = ["| engine | method | " + " | ".join(f"B={b}" for b in budgets) + " |", "|---|---|" + "---|" * len(budgets)]
+    t1_lines = list(kl_lines)
+    for e, m in order:
+        cells = {b: (stats(rows[(e, m, b)]) if (e, m, b) in rows else None) for b in budgets}
+        if all(c is None for c in cells.values()):
+            continue
+        kl_lines.append(f"| {e} | {m} | " + " | ".join(_cell(cells[b], "kl", 4) for b in budgets) + " |")
+        t1_lines.append(f"| {e} | {m} | " + " | ".join(_cell(cells[b], "top1", 3) for b in budgets) + " |")
+        for b, c in cells.items():
+            if c is not None:
+                out_rows.append({"engine": e, "method": m, "budget": b, **c,
+                                 "pipeline": rows[(e, m, b)].get("pipeline", "")})
+    md = ["Mean KL(full ‖ method) in nats [95% percentile bootstrap interval over prompts]:", "", *kl_lines, "",
+          "Top-1 agreement with the full cache [95% interval]:", "", *t1_lines, ""]
+    return "\n".join(md), out_rows
+
+
+def best_press(rows, budget: int, exclude=("snapkv(sorted)",)) -> tuple[str, dict] | None:
+    cands = [(m, r) for (e, m, b), r in rows.items() if e == "kvpress" and b == budget and m not in exclude]
+    return min(cands, key=lambda x: stats(x[1])["kl"]) if cands else None
+
+
+def composition_table(rows, parents: dict[str, tuple[str, str]], budgets) -> tuple[str, list[dict]]:
+    lines = ["| composition | parents | " + " | ".join(f"B={b}: KL / ÷ better parent [95%]" for b in budgets) + " |",
+             "|---|---|" + "---|" * len(budgets)]
+    out = []
+    for comp, (pa, pb) in parents.items():
+        cells = []
+        for b in budgets:
+            c, a, bb = (rows.get(("kvcompose", x, b)) for x in (comp, pa, pb))
+            if c is None or a is None or bb is None:
+                cells.append("-")
+                continue
+            better = a if stats(a)["kl"] <= stats(bb)["kl"] else bb
+            r, lo, hi = ratio(c, better)
+            verdict = "beats both" if hi < 1 else ("worse" if lo > 1 else "tie")
+            cells.append(f"{fmt(stats(c)['kl'], 4)} / {r:.2f} [{lo:.2f}, {hi:.2f}] {verdict}")
+            out.append({"composition": comp, "parents": [pa, pb], "budget": b, "kl": stats(c)["kl"],
+                        "better_parent": pa if better is a else pb, "ratio": r, "ratio_ci": [lo, hi], "verdict": verdict})
+        lines.append(f"| {comp} | {pa}, {pb} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n", out
+
+
+SNAPKV_ROWS = [
+    ("kvcompose", "snapkv", "kvcompose snapkv (window 32, own positions, pooling over all, time order)"),
+    ("kvcompose", "snapkv(window=16)", "window 16"),
+    ("kvcompose", "kvpress-snapkv(own rope, time order)", "+ window sliced off after the softmax (kvpress's pooling edge)"),
+    ("kvcompose", "kvpress-snapkv(time order)", "+ queries re-rotated to the newest position (kvpress)"),
+    ("kvcompose", "kvpress-snapkv", "+ pooling in top-k slot order = kvpress's rule"),
+    ("kvpress", "snapkv", "kvpress DecodingPress(SnapKVPress(16)) as shipped"),
+    ("kvpress", "snapkv(sorted)", "kvpress, kept slots sorted back into time order"),
+]
+
+
+def snapkv_table(rows, budgets) -> tuple[str, list[dict]]:
+    ref = {b: rows.get(("kvpress", "snapkv", b)) for b in budgets}
+    lines = ["| engine | variant | " + " | ".join(f"B={b}: KL [95%] / ÷ kvpress" for b in budgets) + " |",
+             "|---|---|" + "---|" * len(budgets)]
+    out = []
+    for e, m, label in SNAPKV_ROWS:
+        cells = []
+        for b in budgets:
+            r = rows.get((e, m, b))
+            if r is None:
+                cells.append("-")
+                continue
+            s = stats(r)
+            txt = _cell(s, "kl", 4)
+            item = {"engine": e, "method": m, "budget": b, **s}
+            if ref[b] is not None and not (e == "kvpress" and m == "snapkv"):
+                q, lo, hi = ratio(r, ref[b])
+                txt += f" / {q:.2f} [{lo:.2f}, {hi:.2f}]"
+                item.update(ratio_to_kvpress=q, ratio_ci=[lo, hi])
+            cells.append(txt)
+            out.append(item)
+        lines.append(f"| {e} | {label} (`{m}`) | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n", out
+
+
+def target_table(sets: dict[str, dict], target: str, budgets) -> tuple[str, list[dict]]:
+    lines = ["| prompts | budget | kvpress's best decode press | its KL [95%] | " + target + " KL [95%] | ratio [95%] | ≤ 0.7x |",
+             "|---|---|---|---|---|---|---|"]
+    out = []
+    for name, rows in sets.items():
+        for b in budgets:
+            best = best_press(rows, b)
+            mine = rows.get(("kvcompose", target, b))
+            if best is None or mine is None:
+                continue
+            r, lo, hi = ratio(mine, best[1])
+            met = "yes" if hi <= 0.7 else ("point estimate only" if r <= 0.7 else "no")
+            lines.append(f"| {name} | {b} | {best[0]} | {_cell(stats(best[1]), 'kl', 4)} | {_cell(stats(mine), 'kl', 4)} | "
+                         f"{r:.2f} [{lo:.2f}, {hi:.2f}] | {met} |")
+            out.append({"prompts": name, "budget": b, "press": best[0], "press_kl": stats(best[1]), "pipeline": target,
+                        "kl": stats(mine), "ratio": r, "ratio_ci": [lo, hi], "met": met})
+    return "\n".join(lines) + "\n", out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", nargs="+", required=True, help="run folders on the chosen prompts")
+    p.add_argument("--heldout", nargs="*", default=[], help="run folders on the held-out prompts")
+    p.add_argument("--target", default=None, help="the composition to compare with kvpress's best press")
+    p.add_argument("--budgets", nargs="+", type=int, default=BUDGETS)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    from compositions import PARENTS
+
+    rows, meta = load_rows(args.runs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = {}
+    md, data = main_table(rows, args.budgets)
+    written["main"] = (md, data)
+    md, data = composition_table(rows, PARENTS, [b for b in args.budgets if b != 512] or args.budgets)
+    written["compositions"] = (md, data)
+    md, data = snapkv_table(rows, [b for b in args.budgets if b != 512] or args.budgets)
+    written["snapkv"] = (md, data)
+    if args.target:
+        sets = {"chosen": rows}
+        if args.heldout:
+            sets["held out"], hmeta = load_rows(args.heldout)
+            meta += hmeta
+        md, data = target_table(sets, args.target, [128, 256])
+        written["target"] = (md, data)
+    for name, (md, data) in written.items():
+        (out / f"{name}.md").write_text(md)
+        (out / f"{name}.json").write_text(json.dumps({"runs": meta, "rows": data}, indent=1))
+        print(f"## {name}\n\n{md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""The worker side of kvcompose inside vLLM, in plain torch (nothing here imports vLLM): per-request state, the
+query ring, the compression event (a `LayerView` of the request's paged keys and values per layer,
+`Pipeline.select`, the kept tokens packed into the leading blocks in place) and the per-step plan that turns
+logical positions into physical slots and lengths. `worker.py` calls it from vLLM's model runner.
+
+Shapes: L attention layers, H KV heads, Hq query heads, D head dim, S ring slots (the engine's `max_num_seqs`),
+W ring window, h tokens a request holds, B its budget.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...pipeline import Pipeline
+from ...view import KVComposeError, LayerSpec, LayerView
+from .rules import Settings, event_due, kept_row, layer_seed
+
+__all__ = ["PagedLayout", "RequestState", "Runtime", "StepPlan", "Stats"]
+
+
+class PagedLayout:
+    """Where one layer's vLLM KV-cache tensor keeps the key and the value of (block, KV head, slot):
+    `gather(kv, blk, off) -> (keys, values)` of shape `[H, n, D]` for the slots `(blk[i], off[i])`, and
+    `scatter(kv, blk, off, keys, values)` writes them back in place.
+
+    vLLM 0.32 gives every attention backend a per-layer tensor of logical shape `[num_blocks, H, block_size,
+    2 * D]`. The GPU backends (`FLASH_ATTN`, `TRITON_ATTN`) read it as it says: a token's key and value side by
+    side on the last axis (written from vLLM's source, untested here). `CPU_ATTN` splits each (block, head)
+    into a key region and a value region of `block_size * D` elements and lays a block's keys out for its
+    kernel's ISA (for `vec`, transposed: `[D, block_size]`); `maps=(kmap, vmap)`, `[block_size, D]` element
+    offsets inside those regions, say where each (slot, dim) lives. The worker measures them with vLLM's own
+    cache-write op at start-up (`worker.cpu_layout_maps`), so they follow whatever ISA the kernel uses.
+    """
+
+    KINDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN")
+
+    def __init__(self, backend: str, head_size: int, block_size: int, maps: tuple[Tensor, Tensor] | None = None):
+        if backend not in self.KINDS:
+            raise KVComposeError(f"kvcompose's vLLM route knows the KV layouts of {self.KINDS}, not {backend!r}")
+        if backend == "CPU_ATTN" and maps is None:
+            raise KVComposeError("the CPU_ATTN layout needs the measured (kmap, vmap) element maps")
+        self.backend, self.D, self.bs = backend, head_size, block_size
+        self.kmap, self.vmap = (None, None) if maps is None else maps
+
+    def _check(self, kv: Tensor) -> None:
+        if kv.dim() != 4 or kv.shape[2] != self.bs or kv.shape[3] != 2 * self.D:
+            raise KVComposeError(f"a {self.backend} KV cache of shape {tuple(kv.shape)} does not hold blocks of "
+                                 f"{self.bs} keys and values of head size {self.D} (padded head sizes are not supported)")
+
+    def index(self, kv: Tensor, blk: Tensor, off: Tensor) -> tuple[Tensor, Tensor]:
+        """Flat element offsets `[H, n, D]` of the keys and values of slots `(blk[i], off[i])` in `kv`'s storage
+        (from its strides: one index serves every layer of the same shape)."""
+        self._check(kv)
+        st = kv.stride()
+        h = torch.arange(kv.shape[1], device=kv.device)
+        d = torch.arange(self.D, device=kv.device)
+        base = (blk * st[0])[None, :, None] + (h * st[1])[:, None, None]  # [H, n, 1]
+        if self.kmap is None:  # [.., slot, k | v] on the last axis
+            slot = (off * st[2])[None, :, None]
+            k = base + slot + d * st[3]
+            return k, k + self.D * st[3]
+        if not kv.is_contiguous():
+            raise KVComposeError("the CPU_ATTN KV cache is expected to be contiguous")
+        n = self.bs * self.D
+        return base + self.kmap[off][None], base + n + self.vmap[off][None]
+
+    @staticmethod
+    def _flat(kv: Tensor) -> Tensor:
+        return kv.as_strided((kv.untyped_storage().nbytes() // kv.element_size() - kv.storage_offset(),), (1,),
+                             kv.storage_offset())
+
+    def gather(self, kv: Tensor, blk: Tensor, off: Tensor, index: tuple[Tensor, Tensor] | None = None
+               ) -> tuple[Tensor, Tensor]:
+        ki, vi = self.index(kv, blk, off) if index is None else index
+        flat = self._flat(kv)
+        return flat.index_select(0, ki.reshape(-1)).view(ki.shape), flat.index_select(0, vi.reshape(-1)).view(vi.shape)
+
+    def scatter(self, kv: Tensor, blk: Tensor, off: Tensor, keys: Tensor, values: Tensor,
+                index: tuple[Tensor, Tensor] | None = None) -> None:
+        ki, vi = self.index(kv, blk, off) if index is None else index
+        flat = self._flat(kv)
+        flat.index_copy_(0, ki.reshape(-1), keys.reshape(-1).to(flat.dtype))
+        flat.index_copy_(0, vi.reshape(-1), values.reshape(-1).to(flat.dtype))
+
+
+@dataclass
+class Stats:
+    """Counters of one worker (all in seconds of wall time, host side)."""
+
+    events: int = 0  # request events (each runs every layer)
+    event_seconds: float = 0.0  # LayerView + Pipeline.select + packing, every layer
+    plan_seconds: float = 0.0  # per-step bookkeeping: counts, block-table rows, physical positions, ring plan
+    builder_seconds: float = 0.0  # slot mapping and lengths rewritten in the attention metadata builder
+    record_seconds: float = 0.0  # queries recorded into the ring (every layer)
+    steps: int = 0
+    step_seconds: float = 0.0  # vLLM's execute_model + sample_tokens, kvcompose included
+    peak_requests: int = 0  # most requests in one step's batch
+    request_steps: int = 0  # sum over steps of the batch's requests (mean running = request_steps / steps)
+    peak_blocks: int = 0  # most blocks held by one step's batch (sum of its block-table rows)
+    compressed_requests: int = 0  # requests that ran at least one event
+    preemptions: int = 0  # requests seen coming back from a preemption
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(vars(self))
+
+
+@dataclass
+class RequestState:
+    """What the worker knows of one request (see `Runtime`)."""
+
+    settings: Settings
+    prompt_len: int
+    last: int = 0  # vLLM's num_computed_tokens at the last step the request was scheduled in
+    held: int = 0  # tokens in its blocks (physical), the kept ones first
+    c_event: int = 0  # its logical count at its last event
+    kept_pos: Tensor | None = None  # [L, H, B] logical positions of the tokens kept at the last event
+    events: int = 0
+    slot: int | None = None  # ring slot
+    ring_n: int = 0  # queries in the ring (<= W)
+    ring_head: int = 0  # next ring index written
+    gens: list[torch.Generator] | None = None
+    states: list[Any] | None = None  # per layer: the pipeline's state tuple
+
+    @property
+    def offset(self) -> int:
+        """Logical minus physical count: how far its positions run ahead of its slots."""
+        return self.last - self.held
+
+
+@dataclass
+class StepPlan:
+    """One step's kvcompose facts, in the batch's row order, for the attention builder and impls.
+
+    `physical` is False when no request of the batch was ever compressed (vLLM's own slots and lengths are
+    right, nothing is rewritten)."""
+
+    physical: bool
+    num_tokens: int = 0
+    tok_row: Tensor | None = None  # [N] batch row of each scheduled token
+    tok_phys: Tensor | None = None  # [N] its physical position
+    seq_lens: Tensor | None = None  # [R] held + scheduled, int32
+    seq_lens_cpu: Tensor | None = None
+    max_seq_len: int = 0
+    ring_src: Tensor | None = None  # [M] token indices whose queries are recorded
+    ring_dst: Tensor | None = None  # [M] flat ring index (slot * W + i)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Runtime:
+    """kvcompose's state in one vLLM worker.
+
+    Args:
+        num_layers, num_kv_heads, num_q_heads, head_dim: the model's attention (per layer, all the same).
+        block_size: vLLM's block size. device, dtype: of the KV cache. scales: each layer's attention scale.
+        max_seqs: ring slots (vLLM's `max_num_seqs`). query_window: ring window W (the largest window a
+            request's pipeline may read). layout: `PagedLayout` of the backend.
+    """
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int, block_size: int,
+                 device: torch.device | str, dtype: torch.dtype, scales: list[float], max_seqs: int, query_window: int,
+                 layout: PagedLayout):
+        if num_q_heads % num_kv_heads:
+            raise KVComposeError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+        self.L, self.H, self.Hq, self.D = num_layers, num_kv_heads, num_q_heads, head_dim
+        self.block_size = block_size
+        self.device, self.dtype = torch.device(device), dtype
+        self.scales = list(scales)
+        self.S, self.W = max_seqs, query_window
+        self.layout = layout
+        self.requests: dict[str, RequestState] = {}
+        self.free_slots = list(range(max_seqs))[::-1]
+        self.ring: list[Tensor] | None = None  # per layer [S * W, Hq, D]
+        self.ring_pos: Tensor | None = None  # [S * W] logical positions
+        self.step: StepPlan | None = None
+        self.stats = Stats()
+
+    # -- requests ---------------------------------------------------------------------------------
+    def add(self, req_id: str, settings: Settings, prompt_len: int) -> RequestState:
+        if settings.query_window > self.W:
+            raise KVComposeError(f"request {req_id}: {settings.pipeline!r} reads {settings.query_window} queries, the "
+                                 f"engine's ring holds {self.W} (raise query_window in engine_kwargs)")
+        st = RequestState(settings=settings, prompt_len=prompt_len)
+        self.requests[req_id] = st
+        return st
+
+    def remove(self, req_id: str) -> None:
+        st = self.requests.pop(req_id, None)
+        if st is not None:
+            self._free_slot(st)
+
+    def _free_slot(self, st: RequestState) -> None:
+        if st.slot is not None:
+            self.free_slots.append(st.slot)
+            st.slot = None
+        st.ring_n = st.ring_head = 0
+
+    def restart(self, req_id: str, preempted: bool = False) -> None:
+        """A preempted request: vLLM recomputes it from its tokens with the full cache (counts from 0)."""
+        st = self.requests.get(req_id)
+        if st is None:
+            return
+        self._free_slot(st)
+        st.last = st.held = st.c_event = 0
+        st.kept_pos = None
+        self.stats.preemptions += int(preempted)
+
+    def advance(self, req_id: str, n_computed: int) -> RequestState | None:
+        """Account for the tokens the previous step wrote (they sit at the physical end) and return the
+        request's state (None for a request kvcompose does not know, e.g. a dummy run's)."""
+        st = self.requests.get(req_id)
+        if st is None:
+            return None
+        if n_computed < st.last:  # recomputed after a preemption vLLM did not announce to us
+            self.restart(req_id, preempted=True)
+        st.held += n_computed - st.last
+        return st
+
+    def due(self, st: RequestState, n_computed: int) -> bool:
+        s = st.settings
+        return s.compresses and event_due(st.prompt_len, st.last, n_computed, s.interval, st.held, s.budget)
+
+    # -- the ring ---------------------------------------------------------------------------------
+    def _ensure_ring(self) -> None:
+        if self.ring is None:
+            self.ring = [torch.zeros(self.S * self.W, self.Hq, self.D, dtype=self.dtype, device=self.device)
+                         for _ in range(self.L)]
+            self.ring_pos = torch.zeros(self.S * self.W, dtype=torch.long, device=self.device)
+
+    def record(self, layer_idx: int, query: Tensor) -> None:
+        """Write this step's planned queries of one layer into its ring (`query`: `[tokens, Hq, D]`, post-RoPE)."""
+        plan = self.step
+        if plan is None or plan.ring_src is None or self.ring is None:
+            return
+        t0 = time.perf_counter()
+        q = query.view(query.shape[0], self.Hq, self.D)
+        self.ring[layer_idx].index_copy_(0, plan.ring_dst, q.index_select(0, plan.ring_src).to(self.dtype))
+        self.stats.record_seconds += time.perf_counter() - t0
+
+    def _queries(self, st: RequestState, layer_idx: int, window: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The request's last `window` queries of a layer, oldest first: `[1, Hq, w, D]`, positions `[w]`, valid."""
+        if window == 0 or st.slot is None or st.ring_n == 0:
+            return None
+        base = st.slot * self.W
+        if st.ring_n < self.W:
+            idx = torch.arange(st.ring_n, device=self.device)
+        else:
+            idx = (st.ring_head + torch.arange(self.W, device=self.device)) % self.W
+        idx = base + idx[-window:]
+        q = self.ring[layer_idx].index_select(0, idx).transpose(0, 1)[None]
+        pos = self.ring_pos.index_select(0, idx)
+        return q, pos, torch.ones(1, idx.shape[0], dtype=torch.bool, device=self.device)
+
+    # -- the event --------------------------------------------------------------------------------
+    def _positions(self, st: RequestState, layer_idx: int) -> Tensor:
+        """`[H, h]` logical positions of the tokens a layer holds (the kept ones, then the newer ones)."""
+        if st.kept_pos is None:
+            return torch.arange(st.held, device=self.device).expand(self.H, st.held)
+        b = st.kept_pos.shape[-1]
+        newer = st.c_event + torch.arange(st.held - b, device=self.device)
+        return torch.cat([st.kept_pos[layer_idx], newer.expand(self.H, -1)], dim=1)
+
+    def compress(self, req_id: str, st: RequestState, n_computed: int, row: list[int],
+                 kv_caches: list[Tensor]) -> list[int]:
+        """Run the event of one request before the step's forward: every layer keeps `budget` tokens per KV
+        head, packed in place into the first `budget / block_size` blocks of `row` (its physical block list);
+        returns the row it keeps (see `rules.keep_blocks`)."""
+        t0 = time.perf_counter()
+        s = st.settings
+        pipe: Pipeline = s.pipeline
+        bs, B, h = self.block_size, s.budget, st.held
+        new_row = kept_row(row, n_computed, B, bs)
+        need = -(-h // bs)
+        if len(row) < need:
+            raise KVComposeError(f"request {req_id} holds {h} tokens in {len(row)} blocks of {bs}")
+        table = torch.tensor(row[:need], dtype=torch.long, device=self.device)
+        q = torch.arange(h, device=self.device)
+        blk, off = table[q // bs], q % bs
+        dblk, doff = blk[:B], off[:B]
+        if st.gens is None:
+            st.gens = []
+            for i in range(self.L):
+                g = torch.Generator(device=self.device)
+                g.manual_seed(layer_seed(s.seed, i))
+                st.gens.append(g)
+            st.states = [pipe.init(LayerSpec(i, self.L, 1, self.H, self.D, self.D, self.device, self.dtype))
+                         for i in range(self.L)]
+            self.stats.compressed_requests += 1
+        kept_pos = torch.empty(self.L, self.H, B, dtype=torch.long, device=self.device)
+        src = self.layout.index(kv_caches[0], blk, off)  # the same offsets in every layer's tensor
+        dst = self.layout.index(kv_caches[0], dblk, doff)
+        bad = torch.zeros((), dtype=torch.bool, device=self.device)
+        w = s.query_window
+        for i in range(self.L):
+            if kv_caches[i].shape != kv_caches[0].shape or kv_caches[i].stride() != kv_caches[0].stride():
+                raise KVComposeError("kvcompose expects every layer's KV cache to have the same shape and strides")
+            keys, values = self.layout.gather(kv_caches[i], blk, off, src)  # [H, h, D]
+            pos = self._positions(st, i)
+            ring = self._queries(st, i, w)
+            view = LayerView(
+                layer_idx=i, num_layers=self.L, keys=keys[None], values=values[None], positions=pos[None],
+                valid=torch.ones(1, self.H, h, dtype=torch.bool, device=self.device), prompt_length=st.prompt_len,
+                queries=None if ring is None else ring[0], query_positions=None if ring is None else ring[1],
+                query_valid=None if ring is None else ring[2], seen=n_computed, scale=self.scales[i],
+                generator=st.gens[i], event=st.events, rows=None, cache_budget=B,
+            )
+            sel, st.states[i] = pipe.select(view, B, st.states[i])
+            kept = sel.kept[0]
+            if kept.shape[-1] != B:
+                raise KVComposeError(f"{pipe!r} kept {kept.shape[-1]} tokens per head at budget {B}; the vLLM route "
+                                     "needs exactly the budget (the scheduler frees blocks by that count)")
+            bad |= (kept < 0).any()
+            idx = kept.clamp(min=0)[..., None].expand(-1, -1, self.D)
+            self.layout.scatter(kv_caches[i], dblk, doff, keys.gather(1, idx), values.gather(1, idx), dst)
+            kept_pos[i] = pos.gather(1, kept.clamp(min=0))
+        if bool(bad):  # one host sync per event, not per layer
+            raise KVComposeError(f"{pipe!r} kept fewer than {B} tokens in some head (padded selection)")
+        st.kept_pos, st.c_event, st.held = kept_pos, n_computed, B
+        st.events += 1
+        self.stats.events += 1
+        self.stats.event_seconds += time.perf_counter() - t0
+        return new_row
+
+    # -- the step ---------------------------------------------------------------------------------
+    def plan(self, batch: list[tuple[str, int, int]]) -> StepPlan:
+        """The step's plan from its batch, in row order: `(req_id, num_computed_tokens, scheduled tokens)`."""
+        physical = False
+        rows, phys, seq, ring_src, ring_dst, ring_pos = [], [], [], [], [], []
+        t = 0
+        for r, (rid, c, n) in enumerate(batch):
+            st = self.requests.get(rid)
+            held = c if st is None else st.held
+            if held != c:
+                physical = True
+            rows.append(torch.full((n,), r, dtype=torch.long))
+            phys.append(torch.arange(held, held + n, dtype=torch.long))
+            seq.append(held + n)
+            if st is not None and st.settings.query_window > 0 and self.W > 0:
+                if st.slot is None:
+                    if not self.free_slots:
+                        raise KVComposeError(f"kvcompose's query ring has {self.S} slots, all in use")
+                    st.slot = self.free_slots.pop()
+                m = min(n, self.W)
+                i = torch.arange(m, dtype=torch.long)
+                ring_src.append(t + n - m + i)
+                ring_dst.append(st.slot * self.W + (st.ring_head + i) % self.W)
+                ring_pos.append(c + n - m + i)
+                st.ring_head = (st.ring_head + m) % self.W
+                st.ring_n = min(st.ring_n + m, self.W)
+            t += n
+        plan = StepPlan(physical=physical, num_tokens=t)
+        dev = self.device
+        if physical:
+            plan.tok_row = torch.cat(rows).to(dev, non_blocking=True)
+            plan.tok_phys = torch.cat(phys).to(dev, non_blocking=True)
+            plan.seq_lens_cpu = torch.tensor(seq, dtype=torch.int32)
+            plan.seq_lens = plan.seq_lens_cpu.to(dev, non_blocking=True)
+            plan.max_seq_len = max(seq)
+        if ring_src:
+            self._ensure_ring()
+            plan.ring_src = torch.cat(ring_src).to(dev, non_blocking=True)
+            plan.ring_dst = torch.cat(ring_dst).to(dev, non_blocking=True)
+            self.ring_pos.index_copy_(0, plan.ring_dst, torch.cat(ring_pos).to(dev, non_blocking=True))
+        self.step = plan
+        return plan
+
+    def slots(self, block_table: Tensor, slot_mapping: Tensor) -> None:
+        """Rewrite the step's slot mapping in place from physical positions: `slot = table[row, p // bs] * bs +
+        p % bs` (vLLM's own formula, on the held count instead of the logical one)."""
+        plan = self.step
+        n, bs = plan.num_tokens, self.block_size
+        p = plan.tok_phys
+        blk = block_table[plan.tok_row, p // bs].to(torch.long)
+        slot_mapping[:n].copy_(blk * bs + p % bs)

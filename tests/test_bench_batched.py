@@ -1,0 +1,204 @@
+"""Batched teacher forcing (`kvcompose.bench.fidelity.evaluate_batch`): every row of a left-padded batch is
+scored as if it ran alone: the same kept positions after every chunk, the same held tokens, and the same
+per-token KL / top-1 within float tolerance."""
+
+import pytest
+import torch
+
+from kvcompose import KVComposeCache, KVComposeError, methods
+from kvcompose.bench.fidelity import (
+    Trace, clear_reference_cache, evaluate_batch, evaluate_trace, hidden_references,
+)
+from kvcompose.bench.tiny import tiny_model
+from kvcompose.view import FAR_POSITION
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BUDGET, INTERVAL = 16, 8
+
+
+def _trace(seed: int, prompt: int, n: int = 40, vocab: int = 128) -> Trace:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (prompt + n + 10,), generator=g).tolist()
+    return Trace(id=f"t{seed}", prompt_ids=ids[:prompt], trace_ids=ids[prompt : prompt + n], question="q",
+                 answer=None, kind="sampled", recall_ids=ids[prompt + n : prompt + n + 4],
+                 recall_target_ids=ids[prompt + n + 4 :])
+
+
+def _kept(cache, row: int, pad: int) -> list[list[list[int]]]:
+    """Kept positions of one row, per layer and KV head, with the row's left padding taken off."""
+    out = []
+    for layer in cache.layers:
+        pos, valid = layer.positions[row], layer.valid[row]
+        out.append([(p[v & (p < FAR_POSITION)] - pad).tolist() for p, v in zip(pos, valid)])
+    return out
+
+
+# deterministic presets (random selectors draw one tensor for the whole batch: their rows differ by design)
+PRESETS = {
+    "h2o": lambda: methods.h2o(),
+    "snapkv": lambda: methods.snapkv(window=4),
+    "tova": lambda: methods.tova(),
+    "rkv": lambda: methods.rkv(window=4, interval=INTERVAL),
+    "streaming_llm": lambda: methods.streaming_llm(),
+    "knorm": lambda: methods.knorm(),
+    "pyramid_rkv": lambda: methods.pyramid_rkv(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_rows_of_a_padded_batch_equal_single_runs(name):
+    model = tiny_model("llama", layers=2, seed=4)
+    clear_reference_cache()
+    traces = [_trace(1, 10), _trace(2, 21), _trace(3, 14)]  # budget 16 is below one prompt, above two
+    width = max(len(t.prompt_ids) for t in traces)
+    make = lambda: KVComposeCache(model, PRESETS[name](), budget=BUDGET, interval=INTERVAL)  # noqa: E731
+
+    batch_kept: list[list] = []
+    scores = evaluate_batch(model, traces, make,
+                            on_chunk=lambda c, fed: batch_kept.append(
+                                [_kept(c, b, width - len(t.prompt_ids)) for b, t in enumerate(traces)]))
+    events = held = 0
+    for b, t in enumerate(traces):
+        single_kept: list = []
+        cache = make()
+        single = evaluate_trace(model, t, cache)
+        # replay the single run chunk by chunk to read its kept positions at the same points
+        from kvcompose.bench.fidelity import _teacher_force  # the single-trace path's own loop
+
+        replay = make()
+        for i, _ in enumerate(_teacher_force(model, t, replay, INTERVAL)):
+            if i:
+                single_kept.append(_kept(replay, 0, 0))
+        assert [k[b] for k in batch_kept] == single_kept, f"{name}: row {b} kept other tokens than alone"
+        events = max(events, cache.layers[0].events)
+        assert scores[b].kl == pytest.approx(single.kl, abs=2e-5, rel=1e-3)
+        assert scores[b].top1 == single.top1
+        assert scores[b].nll == pytest.approx(single.nll, abs=1e-4)
+        assert scores[b].recall_logprob == pytest.approx(single.recall_logprob, abs=1e-4)
+        assert scores[b].recall_logprob_full == pytest.approx(single.recall_logprob_full, abs=1e-4)
+        held = max(held, single.max_held_tokens)
+    # the batch holds as many slots as its longest row alone (shorter rows hold padding until the first event)
+    assert {s.max_held_tokens for s in scores} == {held}
+    assert events >= 3  # the method really compressed, several times
+    assert max(max(s.kl) for s in scores) > 1e-4  # and it changed the output
+
+
+def test_full_cache_batch_is_exact():
+    model = tiny_model("llama", layers=2, seed=5)
+    traces = [_trace(4, 9, n=24), _trace(5, 17, n=24)]
+    scores = evaluate_batch(model, traces, lambda: KVComposeCache(model, methods.full()))
+    for s in scores:
+        assert max(s.kl) < 1e-6 and min(s.top1) == 1.0
+        assert abs(s.recall_logprob - s.recall_logprob_full) < 1e-5
+
+
+def test_hidden_references_match_the_full_cache_forward():
+    model = tiny_model("llama", layers=2, seed=6)
+    clear_reference_cache()
+    t = _trace(6, 12, n=30)
+    ref = hidden_references(model, [t, _trace(7, 20, n=30)], batch_size=2)[0]
+    x = torch.tensor([t.prompt_ids + t.trace_ids[:-1]])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=x).logits[0, len(t.prompt_ids) - 1 :].float(), -1)
+    assert torch.allclose(ref.logp(model, 0, 30), lp, atol=1e-5)
+    assert torch.allclose(ref.nll, -lp.gather(1, torch.tensor(t.trace_ids)[:, None])[:, 0], atol=1e-5)
+
+
+def test_batch_refuses_unequal_traces():
+    model = tiny_model("llama", layers=2)
+    with pytest.raises(KVComposeError, match="equally long"):
+        evaluate_batch(model, [_trace(1, 10, n=20), _trace(2, 10, n=24)], lambda: KVComposeCache(model))
+
+
+# ------------------------------------------------------------------------------ the CLI: batches, resume, held out
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from kvcompose.bench.tiny import save_tiny_chat_model
+
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def grouped_questions(tmp_path_factory):
+    """Ten questions, character-tokenized: three of 31 characters, three of 40, four of 34 (lengths repeat)."""
+    import json
+
+    qs = [f"Ann has {i} red pens. How many?" for i in range(3)] + \
+         [f"Bob has {i} blue cups and {i} mugs. Total?" for i in range(3)] + \
+         [f"Cy owns {i} cats, {i} dogs. Pets?" + "!" * (i % 2) for i in range(4)]
+    p = tmp_path_factory.mktemp("data") / "q.jsonl"
+    p.write_text("\n".join(json.dumps({"question": q, "answer": "#### 1"}) for q in qs))
+    return str(p)
+
+
+def _fid(tiny_dir, data, out, *extra):
+    from kvcompose import cli
+
+    return cli.main(["bench", "fidelity", "--model", tiny_dir, "--data", data, "--new-tokens", "24", "--kinds", "sampled",
+                     "--budgets", "40", "--interval", "8", "--short-budgets", "--free-gen-prompts", "0",
+                     "--out", str(out), *extra])
+
+
+def test_cli_batches_resumes_and_holds_out(tiny_dir, grouped_questions, tmp_path, monkeypatch):
+    import json
+
+    from kvcompose.bench import fidelity, run
+    from kvcompose.bench.tiny import tiny_chat_model
+    from kvcompose.bench.traces import prompt_ids
+
+    pipes = tmp_path / "pipes.py"
+    pipes.write_text("from kvcompose import Pipeline, ProtectPrompt, KeyNorm, TopK\n"
+                     "PIPELINES = {'knorm+prompt': lambda budget: Pipeline(ProtectPrompt(), KeyNorm(), TopK())}\n")
+    out = tmp_path / "a"
+    args = ["--groups", "2", "--group-size", "2", "--select-seed", "3", "--batch-size", "2", "--methods", "full",
+            "h2o", "knorm+prompt", "--pipelines", str(pipes), "--references", str(tmp_path / "refs")]
+    assert _fid(tiny_dir, grouped_questions, out, *args) == 0
+    data = json.loads((out / "fidelity.json").read_text())
+    traces = json.loads((out / "traces.json").read_text())["items"]
+    _, tok = tiny_chat_model()
+    lens = [len(prompt_ids(tok, t["question"])) for t in traces]
+    assert len(traces) == 4 and lens[0] == lens[1] and lens[2] == lens[3] and lens[0] != lens[2]
+    rows = {(r["method"], r["budget"]): r for r in data["rows"]}
+    assert rows[("full", None)]["kl_mean"] < 1e-6
+    h2o = rows[("h2o", 40)]
+    assert h2o["n_traces"] == 4 and h2o["kl_mean"] > 1e-4
+    assert h2o["kl_ci"][0] <= h2o["kl_mean"] <= h2o["kl_ci"][1] and h2o["kl_ci"][0] < h2o["kl_ci"][1]
+    assert rows[("knorm+prompt", 40)]["pipeline"].startswith("Pipeline(ProtectPrompt")
+    assert data["selection"]["seed"] == 3 and len(list((tmp_path / "refs").glob("*.pt"))) == 4
+
+    # one trace at a time on the same traces: the same per-trace numbers
+    single = tmp_path / "single"
+    assert _fid(tiny_dir, grouped_questions, single, "--traces", str(out / "traces.json"), "--methods", "h2o",
+                "--groups", "2", "--group-size", "2") == 0
+    s_row = next(r for r in json.loads((single / "fidelity.json").read_text())["rows"] if r["method"] == "h2o")
+    assert [p["kl_mean"] for p in s_row["per_trace"]] == pytest.approx([p["kl_mean"] for p in h2o["per_trace"]],
+                                                                        abs=1e-5)
+
+    # a killed run: the last batch of h2o lost; the rerun computes only that batch and gives the same numbers
+    cell = next((out / "cells").glob("kvcompose__h2o__40.jsonl"))
+    lines = cell.read_text().splitlines()
+    cell.write_text("\n".join(lines[:2]) + "\n" + lines[2][:30])  # two traces kept, the third cut mid-line
+    calls = []
+    real = fidelity.evaluate_batch
+    monkeypatch.setattr(fidelity, "evaluate_batch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert _fid(tiny_dir, grouped_questions, out, *args, "--traces", str(out / "traces.json")) == 0
+    assert len(calls) == 1  # the lost batch only
+    again = {(r["method"], r["budget"]): r for r in json.loads((out / "fidelity.json").read_text())["rows"]}
+    assert [p["kl_mean"] for p in again[("h2o", 40)]["per_trace"]] == pytest.approx(
+        [p["kl_mean"] for p in h2o["per_trace"]], abs=1e-6)
+
+    # another method into the same folder: the earlier rows stay in fidelity.json
+    assert _fid(tiny_dir, grouped_questions, out, "--groups", "2", "--group-size", "2", "--batch-size", "2",
+                "--traces", str(out / "traces.json"), "--methods", "tova", "--references", str(tmp_path / "refs")) == 0
+    assert {r["method"] for r in json.loads((out / "fidelity.json").read_text())["rows"]} == {
+        "full", "h2o", "knorm+prompt", "tova"}
+
+    # a held-out set: other questions, chosen by the same rule with another seed
+    held = tmp_path / "held"
+    assert _fid(tiny_dir, grouped_questions, held, "--groups", "1", "--group-size", "2", "--select-seed", "4",
+                "--exclude", str(out / "traces.json"), "--batch-size", "2", "--methods", "h2o") == 0
+    ids = {t["id"] for t in json.loads((held / "traces.json").read_text())["items"]}
+    assert len(ids) == 2 and not ids & {t["id"] for t in traces}
+    assert run.select_prompt_groups(tok, grouped_questions, 2, 2, 3) == run.select_prompt_groups(
+        tok, grouped_questions, 2, 2, 3)

