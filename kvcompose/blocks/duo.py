@@ -47,9 +47,9 @@ def load_duo_profile(profile: str | os.PathLike | dict) -> dict[str, Any]:
 def streaming_mask(head_scores: Any, streaming: float) -> Bool[Tensor, "L H"]:
     """True for the `round(L * H * streaming)` heads of lowest score (over all layers): the streaming heads,
     chosen exactly as kvpress's `DuoAttentionPress.post_init_from_model` does."""
-    s = torch.as_tensor(head_scores, dtype=torch.float64).clamp(0, 1)
+    s = torch.as_tensor(head_scores, dtype=torch.float64, device="cpu").clamp(0, 1)
     n = round(s.numel() * streaming)
-    mask = torch.zeros(s.numel(), dtype=torch.bool)
+    mask = torch.zeros(s.numel(), dtype=torch.bool, device=s.device)
     if n > 0:
         mask[torch.argsort(s.reshape(-1), stable=True)[:n]] = True
     return mask.reshape(s.shape)

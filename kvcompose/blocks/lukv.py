@@ -77,7 +77,7 @@ class HeadCurves(Allocator):
             self.path = str(p)
         data = curves.get("prune") if isinstance(curves, dict) else curves
         try:
-            t = torch.as_tensor(data, dtype=torch.float32)
+            t = torch.as_tensor(data, dtype=torch.float32, device="cpu")
         except (TypeError, ValueError, RuntimeError):
             raise KVComposeError("HeadCurves: curves must be a [99, layers, KV heads] array of prune shares") from None
         if t.dim() != 3 or t.shape[0] != 99 or not bool(torch.isfinite(t).all()) or bool(((t < 0) | (t > 1)).any()):
@@ -101,7 +101,7 @@ class HeadCurves(Allocator):
     def keep_counts(self, layer: int, budget: int, seen: int) -> Int[Tensor, " H"]:
         """Tokens each KV head of `layer` keeps at cache budget `budget` after `seen` tokens."""
         if seen <= budget:
-            return torch.full((self.prune.shape[2],), max(seen, 1), dtype=torch.long)
+            return torch.full((self.prune.shape[2],), max(seen, 1), dtype=torch.long, device=self.prune.device)
         idx = max(0, min(98, int(round((1.0 - budget / seen) * 100)) - 1))
         return head_keep_counts(self.prune[idx, layer], seen)
 

@@ -64,7 +64,7 @@ class Rotary:
         """Plain RoPE (`inv_freq = theta ** -(2i / D)`), as transformers' default rope type computes it."""
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
             raise KVComposeError(f"Rotary.default: head_dim must be a positive even int, got {head_dim!r}")
-        return Rotary(1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)))
+        return Rotary(1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim)))
 
     def _check(self, d: int) -> None:
         if d != self.dim:
@@ -99,7 +99,8 @@ class Rotary:
         if n <= 0:
             raise KVComposeError(f"Rotary.mean_rotation: n must be positive, got {n}")
         d = self.dim
-        cos, sin = self.cos_sin(torch.arange(start, start + n), device)
+        dev = self.inv_freq.device if device is None else device
+        cos, sin = self.cos_sin(torch.arange(start, start + n, device=dev), dev)
         eye = torch.eye(d, device=cos.device)
         p = torch.zeros(d, d, device=cos.device)
         h = d // 2
