@@ -33,6 +33,9 @@ from .selectors import BlockGranular, RandomDrop, Sample, Selector, TopK
 from .stores import DenseStore, KVStore, PagedStore
 from .tiers import CompressedTier, Evict, Hierarchy, HostTier, TierStore, TierTokens
 from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
+from . import blocks
+from .blocks import (CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore,
+                     NonCausalAttention, OutputProjection, Rotary)
 from .paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent, VotingValueProtect
 from .view import KVComposeWarning
 
@@ -50,6 +53,8 @@ __all__ = [
     "Pyramid", "ReasoningWave", "HeadUtility", "GrowPage",
     "HostTier", "CompressedTier", "Hierarchy", "TierTokens",
     "BranchCache", "BranchMemory",
+    "blocks", "KeyDiff", "LagKV", "CUR", "LeverageScore", "NonCausalAttention", "Compactor", "CriticalKV",
+    "ExpectedAttention", "CAP", "Rotary", "OutputProjection",
     "BlockProtectValueNorm", "RequestEvent", "RequestBlocks", "VotingValueProtect",
     "KVComposeWarning",
 ]

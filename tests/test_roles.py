@@ -12,6 +12,7 @@ from kvcompose import (
     RandomDrop, Recency, Sample, TopK, Uniform, ValueNorm, methods,
 )
 from kvcompose.bench.tiny import tiny_model
+from kvcompose.blocks import MergeSimilar
 from kvcompose.paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent
 from kvcompose.reco.eviction import Lexicographic
 from kvcompose.scorers import Combined
@@ -22,6 +23,7 @@ BLOCKS = {
     "Selector": TopK(),
     "Allocator": Pyramid(window=2),
     "TierStore": HostTier(),
+    "Merger": MergeSimilar(),
 }
 
 
@@ -31,6 +33,7 @@ def _slots(model):
     return [
         ("with_allocator", "Allocator", lambda b: methods.with_allocator(rkv, b)),
         ("with_tier", "TierStore", lambda b: methods.with_tier(rkv, b)),
+        ("with_merger", "Merger", lambda b: methods.with_merger(rkv, b)),
         ("BlockGranular", "Selector", lambda b: BlockGranular(b)),
         ("Combined", "Scorer", lambda b: Combined(((b, 1.0),))),
         ("Lexicographic", "Scorer", lambda b: Lexicographic(b, KeyNorm())),
