@@ -427,17 +427,22 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)  # every option is checked here (kvcompose.cli_args): exit 2 on a bad one
     import importlib.util
 
     from .view import KVComposeError
 
+    # a missing optional dependency is named first, whatever else is wrong with the arguments
+    early = " ".join(argv[:2]) if argv[:1] == ["bench"] else " ".join(argv[:1])
+    for module in NEEDS.get(early, ()):
+        if importlib.util.find_spec(module) is None:
+            print(_needs_extra(early, module), file=sys.stderr)
+            return 2
+    try:
+        args = build_parser().parse_args(argv)  # every option is checked here (kvcompose.cli_args): exit 2 on a bad one
+    except SystemExit as e:  # argparse printed the one-line error (or the help): its exit code is the result
+        return e.code if isinstance(e.code, int) else 2
     command = " ".join(x for x in (args.command, getattr(args, "bench", None)) if x)
     prog = f"kvcompose {command}"
-    for module in NEEDS.get(command, ()):
-        if importlib.util.find_spec(module) is None:
-            print(_needs_extra(command, module), file=sys.stderr)
-            return 2
     try:
         cli_args.preflight(command, args)  # checks across options, still before any model loads
     except argparse.ArgumentTypeError as e:
