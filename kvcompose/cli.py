@@ -439,7 +439,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         args = build_parser().parse_args(argv)  # every option is checked here (kvcompose.cli_args): exit 2 on a bad one
-    except SystemExit as e:  # argparse printed the one-line error (or the help): its exit code is the result
+    except SystemExit as e:  # argparse printed the one-line error: its exit code is the result (--help still exits)
+        if not e.code:
+            raise
         return e.code if isinstance(e.code, int) else 2
     command = " ".join(x for x in (args.command, getattr(args, "bench", None)) if x)
     prog = f"kvcompose {command}"
