@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--offset", type=int, default=0, help="first question line (default 0)")
     f.add_argument("--min-prompt-tokens", type=int, default=0,
                    help="use only questions whose chat prompt has at least this many tokens (default 0: the first ones)")
-    f.add_argument("--new-tokens", type=int, default=1536, help="reference trace length in tokens (default 1536)")
+    f.add_argument("--new-tokens", type=int, default=1536, help="reference trace length in tokens (default 1536); with --traces, longer saved traces "
+                   "are scored on their first N tokens")
     f.add_argument("--kinds", nargs="+", default=["sampled", "worked"], choices=["sampled", "greedy", "worked"],
                    help="trace kinds (default: sampled worked)")
     f.add_argument("--methods", nargs="*", default=methods,

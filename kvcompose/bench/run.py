@@ -501,7 +501,13 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
         saved = [Trace.from_dict(d) for d in json.loads(Path(cfg.traces).read_text())["items"]]
         for kind in cfg.kinds:
             traces += [t for t in saved if t.kind == kind][: n_prompts]
-        log(f"reusing {len(traces)} traces from {cfg.traces}")
+        # a saved trace longer than --new-tokens is scored on its first new_tokens tokens: teacher forcing is
+        # causal, so that prefix is the computation a shorter trace gives (the recall probe follows the prefix)
+        cut = [t for t in traces if len(t.trace_ids) > cfg.new_tokens]
+        traces = [Trace(**{**t.to_dict(), "id": f"{t.id}[:{cfg.new_tokens}]", "trace_ids": t.trace_ids[: cfg.new_tokens]})
+                  if len(t.trace_ids) > cfg.new_tokens else t for t in traces]
+        log(f"reusing {len(traces)} traces from {cfg.traces}" + (f" ({len(cut)} cut to their first {cfg.new_tokens} "
+                                                                 "tokens)" if cut else ""))
     else:
         for kind in cfg.kinds:
             traces += make_traces(model, tok, questions, new_tokens=cfg.new_tokens, kind=kind, seed=cfg.seed,
