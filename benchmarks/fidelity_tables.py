@@ -198,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--heldout", nargs="*", default=[], help="run folders on the held-out prompts")
     p.add_argument("--target", default=None, help="the composition to compare with kvpress's best press")
     p.add_argument("--budgets", nargs="+", type=int, default=BUDGETS)
+    p.add_argument("--target-budgets", nargs="+", type=int, default=[128, 256],
+                   help="budgets of the target table (default 128 256)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     from compositions import PARENTS
@@ -217,7 +219,7 @@ def main(argv=None) -> int:
         if args.heldout:
             sets["held out"], hmeta = load_rows(args.heldout)
             meta += hmeta
-        md, data = target_table(sets, args.target, [128, 256])
+        md, data = target_table(sets, args.target, args.target_budgets)
         written["target"] = (md, data)
     for name, (md, data) in written.items():
         (out / f"{name}.md").write_text(md)

@@ -226,3 +226,19 @@ def test_reused_traces_are_cut_to_new_tokens(tiny_dir, grouped_questions, tmp_pa
     for tid, kl in part.items():
         assert len(kl) == 16 and max(kl) > 1e-6  # h2o at 40 compresses inside the first 16 tokens
         assert kl == pytest.approx(whole[tid.removesuffix("[:16]")][:16], abs=1e-5)
+
+
+def test_no_recall_skips_the_probe_only(tiny_dir, grouped_questions, tmp_path):
+    """`--no-recall`: the rows have no recall numbers, and the same per-token KL as with the probe."""
+    import json
+
+    args = ["--groups", "1", "--group-size", "2", "--batch-size", "2", "--methods", "h2o",
+            "--references", str(tmp_path / "refs")]
+    assert _fid(tiny_dir, grouped_questions, tmp_path / "with", *args) == 0
+    assert _fid(tiny_dir, grouped_questions, tmp_path / "without", *args, "--no-recall",
+                "--traces", str(tmp_path / "with" / "traces.json")) == 0
+    rows = [next(r for r in json.loads((tmp_path / d / "fidelity.json").read_text())["rows"] if r["method"] == "h2o")
+            for d in ("with", "without")]
+    assert rows[0]["recall_delta"] is not None and rows[1]["recall_delta"] is None
+    assert [p["kl_mean"] for p in rows[1]["per_trace"]] == pytest.approx([p["kl_mean"] for p in rows[0]["per_trace"]],
+                                                                          abs=1e-6)
