@@ -33,6 +33,9 @@ from .selectors import BlockGranular, RandomDrop, Sample, Selector, TopK
 from .stores import DenseStore, KVStore, PagedStore
 from .tiers import CompressedTier, Evict, Hierarchy, HostTier, TierStore, TierTokens
 from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
+from . import blocks
+from .blocks import (CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore,
+                     NonCausalAttention, OutputProjection, Rotary)
 from .paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent, VotingValueProtect
 
 __version__ = "0.1.0"
@@ -49,5 +52,7 @@ __all__ = [
     "Pyramid", "ReasoningWave", "HeadUtility", "GrowPage",
     "HostTier", "CompressedTier", "Hierarchy", "TierTokens",
     "BranchCache", "BranchMemory",
+    "blocks", "KeyDiff", "LagKV", "CUR", "LeverageScore", "NonCausalAttention", "Compactor", "CriticalKV",
+    "ExpectedAttention", "CAP", "Rotary", "OutputProjection",
     "BlockProtectValueNorm", "RequestEvent", "RequestBlocks", "VotingValueProtect",
 ]

@@ -8,6 +8,7 @@
     kvcompose bench throughput --kv-memory MIB         # largest batch in a KV budget, tokens/s
     kvcompose bench report DIR          # re-render Markdown + plots from the JSON in DIR
     kvcompose calibrate --data Q.jsonl --out profile.json   # ReasonAlloc layer profile for a model
+    kvcompose calibrate --target duo --out duo.json         # DuoAttention head types (or --target lukv: LU-KV curves)
     kvcompose methods                   # list the presets
 
 Run `kvcompose <command> --help` for every flag. Without an installed entry point: `python -m kvcompose.cli`.
@@ -189,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kind", default="sampled", choices=["sampled", "greedy", "worked"], help="trace kind (default sampled)")
     c.add_argument("--seed", type=int, default=1, help="sampling seed of the traces (default 1)")
     c.add_argument("--coverage", type=float, default=0.9, help="attention mass a layer's keys must cover (default 0.9)")
+    c.add_argument("--target", default="wave", choices=["wave", "duo", "lukv"],
+                   help="what to calibrate. wave: ReasonAlloc's layer profile (default); duo: DuoAttention's head types "
+                   "(methods.duo_attention(profile=...)); lukv: LU-KV's head budget curves (methods.lukv(curves=...))")
+    c.add_argument("--sinks", type=int, default=4, help="--target duo: sink tokens of a streaming head (default 4)")
+    c.add_argument("--recent", type=int, default=64, help="--target duo: recent tokens of a streaming head (default 64)")
+    c.add_argument("--window", type=int, default=32,
+                   help="--target lukv: decoding queries whose attention ranks the tokens (default 32)")
     _add_model_flags(c)
 
     sub.add_parser("methods", help="list the method presets and their pipelines")
@@ -317,6 +325,21 @@ def calibrate(args) -> int:
     print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", file=sys.stderr)
     model, tok = load_model(args.model, args.dtype, args.device)
     t0 = time.perf_counter()
+    if args.target in ("duo", "lukv"):
+        from .head_calibration import calibrate_heads_from_data
+
+        for name in ("sinks", "recent", "window", "n", "new_tokens"):
+            if getattr(args, name) < (0 if name in ("sinks", "recent") else 1):
+                print(f"kvcompose calibrate: --{name.replace('_', '-')} must be positive", file=sys.stderr)
+                return 2
+        extra = {"sinks": args.sinks, "recent": args.recent} if args.target == "duo" else {"window": args.window}
+        prof = calibrate_heads_from_data(model, tok, data, args.out, kind=args.target, n=args.n, offset=args.offset,
+                                         new_tokens=args.new_tokens, trace_kind=args.kind, seed=args.seed, **extra)
+        shape = (len(prof["head_scores"]), len(prof["head_scores"][0])) if args.target == "duo" else \
+            (len(prof["prune"][0]), len(prof["prune"][0][0]))
+        print(f"{prof['model']}: {args.target} profile for {shape[0]} layers x {shape[1]} KV heads, from "
+              f"{prof['calibration']['questions']} in {time.perf_counter() - t0:.0f} s; written to {args.out}")
+        return 0
     prof = run_calibration(model, tok, data, args.out, n=args.n, offset=args.offset, new_tokens=args.new_tokens,
                            kind=args.kind, seed=args.seed, coverage=args.coverage, progress=True)
     demand = prof["demand"]
@@ -417,6 +440,13 @@ def main(argv: list[str] | None = None) -> int:
             for name, fn in PRESETS.items():
                 doc = (fn.__doc__ or "").strip().splitlines()[0]
                 print(f"{name:18} {make_pipeline(name, None)!r}\n{'':18} {doc}")
+            from .methods import NEEDS_MODEL, NEEDS_PROFILE, PORTED
+
+            print("\nported from kvpress (Python: methods.preset(name, model=...); docs/methods.md):")
+            for name, fn in PORTED.items():
+                doc = (fn.__doc__ or "").strip().splitlines()[0]
+                needs = [w for w, on in (("model=", name in NEEDS_MODEL), (f"{NEEDS_PROFILE.get(name)}=", name in NEEDS_PROFILE)) if on]
+                print(f"{name:18} {doc}{'  [needs ' + ', '.join(needs) + ']' if needs else ''}")
             return 0
     except KVComposeError as e:
         print(f"kvcompose: error: {e}", file=sys.stderr)

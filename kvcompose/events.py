@@ -89,10 +89,11 @@ def run_event(layer: Any, seg: Segment, rows: Tensor | None, budget: int | None,
     if pipe.tier.holds_tokens:
         seg.tier = pipe.tier.store(seg.tier, leaving(view, channels, sel.order, n_kept, rows),
                                    seg.start + seg.n, n_kept, sel.protected)
-    if merged is not None:
+    if merged is not None or sel.values is not None:  # tier tokens merged in, or a Merger gave new values
         safe = kept.clamp(min=0)
         g = lambda x: take_tokens(x, safe)  # noqa: E731
-        seg.store.assign(StoreView(g(view.keys), g(view.values), g(view.positions), g(view.valid) & (kept >= 0)),
+        values = view.values if sel.values is None else sel.values
+        seg.store.assign(StoreView(g(view.keys), g(values), g(view.positions), g(view.valid) & (kept >= 0)),
                          g(channels), n_kept)
     else:
         seg.store.compact(kept)

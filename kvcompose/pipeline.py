@@ -25,6 +25,7 @@ from torch import Tensor
 
 from .allocators import Allocator, Uniform
 from .block import Block, Observer
+from .blocks.merging import Merger
 from .protectors import Protector, ProtectPrompt
 from .scorers import Scorer
 from .selectors import Selector
@@ -33,7 +34,7 @@ from .view import FAR_POSITION, AttentionStep, KVComposeError, LayerSpec, LayerV
 
 __all__ = ["Pipeline", "Selection"]
 
-_ROLES = (Scorer, Protector, Selector, Allocator, TierStore)
+_ROLES = (Scorer, Protector, Selector, Allocator, TierStore, Merger)
 
 
 @dataclass
@@ -47,6 +48,8 @@ class Selection:
         budget: `[B, H]` the budget each head was given.
         scores: `[B, H, T]` the scores (None for score-free selectors).
         protected: `[B, H]` how many tokens the protectors protected.
+        values: `[B, H, T, Dv]` the view's values with the merged values at kept slots, when the pipeline has a
+            `Merger` (None: the kept tokens keep their values).
     """
 
     kept: Int[Tensor, "B H K"]
@@ -54,6 +57,7 @@ class Selection:
     budget: Int[Tensor, "B H"]
     scores: Float[Tensor, "B H T"] | None
     protected: Int[Tensor, "B H"] | None = None
+    values: Float[Tensor, "B H T Dv"] | None = None
 
 
 def _flatten(block: Block, leaves: list[Block]) -> Any:
@@ -73,7 +77,8 @@ class Pipeline:
         >>> p = Pipeline(ProtectPrompt(), ProtectValueNorm(0.25), RandomDrop())
 
     Accepts at most one Scorer (combine several with arithmetic), any number of Protectors, at most one
-    Selector, Allocator and TierStore. A pipeline with no selector never compresses (the full cache).
+    Selector, Allocator, TierStore and Merger (which folds the values of the tokens that leave for good into
+    kept ones, `kvcompose.blocks.merging`). A pipeline with no selector never compresses (the full cache).
 
     Args:
         name: shown by `repr` (presets name themselves).
@@ -81,7 +86,7 @@ class Pipeline:
             given one.
     """
 
-    def __init__(self, *blocks: Scorer | Protector | Selector | Allocator | TierStore, name: str | None = None,
+    def __init__(self, *blocks: Scorer | Protector | Selector | Allocator | TierStore | Merger, name: str | None = None,
                  interval: int | None = None):
         bad = [type(b).__name__ for b in blocks if not isinstance(b, _ROLES)]
         if bad:
@@ -91,6 +96,7 @@ class Pipeline:
         selectors = [b for b in blocks if isinstance(b, Selector)]
         allocators = [b for b in blocks if isinstance(b, Allocator)]
         tiers = [b for b in blocks if isinstance(b, TierStore)]
+        mergers = [b for b in blocks if isinstance(b, Merger)]
         if len(scorers) > 1:
             raise KVComposeError(
                 f"Pipeline got {len(scorers)} scorers ({', '.join(type(s).__name__ for s in scorers)}); "
@@ -102,6 +108,10 @@ class Pipeline:
             raise KVComposeError(f"Pipeline got {len(allocators)} allocators; give at most one")
         if len(tiers) > 1:
             raise KVComposeError(f"Pipeline got {len(tiers)} tier stores; give at most one")
+        if len(mergers) > 1:
+            raise KVComposeError(f"Pipeline got {len(mergers)} mergers; give at most one")
+        if mergers and not selectors:
+            raise KVComposeError("Pipeline has a merger but no selector: nothing is ever evicted to merge")
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0):
             raise KVComposeError(f"interval must be a positive int, got {interval!r}")
         self.scorer: Scorer | None = scorers[0] if scorers else None
@@ -109,6 +119,7 @@ class Pipeline:
         self.selector: Selector | None = selectors[0] if selectors else None
         self.allocator: Allocator = allocators[0] if allocators else Uniform()
         self.tier: TierStore = tiers[0] if tiers else Evict()
+        self.merger: Merger | None = mergers[0] if mergers else None
         self.name = name
         self.interval = interval
         if self.selector is None:
@@ -123,12 +134,13 @@ class Pipeline:
             raise KVComposeError("Pipeline got ProtectPrompt twice")
         # the state layout: leaves in part order, channel ranges of token-state leaves (the tier's state is
         # threaded by the layer through `store` / `fetch`, not here)
-        self.parts: tuple[Block, ...] = tuple(b for b in (self.allocator, self.scorer, *self.protectors, self.selector)
-                                              if b is not None)
+        self.parts: tuple[Block, ...] = tuple(b for b in (self.allocator, self.scorer, *self.protectors, self.selector,
+                                                          self.merger) if b is not None)
         self.leaves: list[Block] = []
         index = [_flatten(p, self.leaves) for p in self.parts]
         self._alloc_index = index[0]
         self._scorer_index = index[1] if self.scorer is not None else None
+        self._merger_index = index[-1] if self.merger is not None else None
         self._slices: list[slice | None] = []
         c = 0
         for leaf in self.leaves:
@@ -191,7 +203,7 @@ class Pipeline:
         new_prot = [b for b in blocks if isinstance(b, Protector)]
         pick = lambda role, cur: next((b for b in blocks if isinstance(b, role)), cur)  # noqa: E731
         parts = [*(new_prot if new_prot else self.protectors), pick(Scorer, self.scorer), pick(Selector, self.selector),
-                 pick(Allocator, self.allocator), pick(TierStore, self.tier)]
+                 pick(Allocator, self.allocator), pick(TierStore, self.tier), pick(Merger, self.merger)]
         return Pipeline(*[p for p in parts if p is not None], name=name,
                         interval=self.interval if interval is None else interval)
 
@@ -288,8 +300,38 @@ class Pipeline:
                 f"(layer {view.layer_idx}): raise the budget or protect fewer tokens"
             )
         kept, order = self.selector(scores, protected, view.valid, per_head, view.generator,
-                                    need_order=self.tier.holds_tokens, positions=view.positions)
-        return Selection(kept=kept, order=order, budget=per_head, scores=scores, protected=n_prot), tuple(out_states)
+                                    need_order=self.tier.holds_tokens or self.merger is not None, positions=view.positions)
+        values = None
+        if self.merger is not None:
+            values = self._merge(view, kept, order, n_prot, states, channels, out_states)
+        return (Selection(kept=kept, order=order, budget=per_head, scores=scores, protected=n_prot, values=values),
+                tuple(out_states))
+
+    def _merge(self, view: LayerView, kept: Int[Tensor, "B H K"], order: Int[Tensor, "B H T"], n_prot: Int[Tensor, "B H"],
+               states: tuple, channels: Tensor | None, out_states: list) -> Float[Tensor, "B H T Dv"]:
+        """Run the merger on the tokens that leave for good: not kept, not held by the tier (the first ones of the
+        priority order after the kept), real, in the event's rows; its new layer state goes to `out_states`."""
+        t = view.shape[2]
+        n_kept = (kept >= 0).sum(-1)
+        stay = n_kept
+        if self.tier.holds_tokens:
+            stay = n_kept + self.tier.retained((view.positions < FAR_POSITION).sum(-1), n_kept, view.seen, n_prot)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(t, device=order.device).expand_as(order))
+        evicted = view.valid & (rank >= stay[..., None])
+        if view.rows is not None:
+            evicted = evicted & view.rows[:, None, None]
+        values, new = self.merger(view, kept, evicted, order, self._tree(self._merger_index, states, channels))
+
+        def put(idx: Any, st: Any) -> None:
+            if isinstance(idx, int):
+                if self._slices[idx] is None:
+                    out_states[idx] = st
+            else:
+                for i, s in zip(idx, st):
+                    put(i, s)
+
+        put(self._merger_index, new)
+        return values
 
     def __repr__(self) -> str:
         if self.name:
@@ -299,4 +341,6 @@ class Pipeline:
             parts.append(repr(self.allocator))
         if not isinstance(self.tier, Evict):
             parts.append(repr(self.tier))
+        if self.merger is not None:
+            parts.append(repr(self.merger))
         return f"Pipeline({', '.join(parts)})"

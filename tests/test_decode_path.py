@@ -35,6 +35,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 BUDGET, INTERVAL, PROMPT, STEPS = 96, 8, 100, 36
 PRESETS = sorted(methods.PRESETS)
+# the presets ported from kvpress (methods.PORTED), at sizes this test reaches; the calibrated ones get a profile of
+# the tiny model (2 layers, 2 KV heads); every one is in the host-sync and device tests on its natural store, the
+# mergers also with a host tier (the tokens a tier holds are not merged)
+PORTED = sorted(methods.PORTED)
+_PORTED_KW = {"lagkv": {"lag": 16}, "chunkkv": {"chunk": 8}, "noncausal_attention": {"chunk": 32, "window": 32},
+              "compactor": {"chunk": 32, "window": 32},
+              "duo_attention": {"profile": {"head_scores": [[0.9, 0.1], [0.2, 0.8]]}},
+              "lukv": {"curves": (torch.rand(99, 2, 2, generator=torch.Generator().manual_seed(0)) * 0.8).tolist()}}
 TIERS = {"host": HostTier, "compressed": lambda: CompressedTier(bits=8, key_group=8, value_group=8),
          "hierarchy": lambda: Hierarchy(compressed_ratio=0.25, evict_ratio=0.0,
                                         compressed=CompressedTier(bits=8, key_group=8, value_group=8))}
@@ -50,7 +58,10 @@ def _model(dtype=torch.float32):
 def _pipeline(name: str, store: str = "natural", tier: str | None = None):
     """A preset on its own store ("natural"), or moved to paged storage ("paged": per-head budgets where the
     allocator allows, else block-granular selection, which also gives heads unequal lengths)."""
-    pipe = methods.PRESETS[name]()
+    if name in methods.PORTED:
+        pipe = methods.preset(name, model=_model(), **_PORTED_KW.get(name, {}))
+    else:
+        pipe = methods.PRESETS[name]()
     if store == "paged" and not pipe.paged and pipe.compresses:
         if isinstance(pipe.allocator, Uniform) and pipe.fixed_protection(BUDGET * 3 // 4) <= BUDGET * 3 // 4:
             pipe = with_allocator(pipe, HeadUtility(floor=0.75, window=8, page_size=8))
@@ -70,6 +81,7 @@ def _combos():
         if name != "full":
             out += [(name, "natural", t) for t in TIERS]
     out += [("h2o", "paged", "host"), ("snapkv", "paged", "hierarchy")]
+    out += [(name, "natural", None) for name in PORTED] + [("cam", "natural", "host"), ("merging", "natural", "host")]
     return out
 
 

@@ -8,10 +8,16 @@ from .reasoning import random_attention, rkv, vase
 from .hierarchy import memory_hierarchy, with_tier
 from .allocation import growpage, pyramid_rkv, reason_alloc, with_allocator
 from .reco import Reco, RewardAllocator, reco, reco_evict  # not in PRESETS: reco returns a bundle, not a pipeline
+from .ported import (NEEDS_MODEL, NEEDS_PROFILE, PORTED, adakv, cam, cap, chunkkv, compactor, criticalkv, cur, duo_attention,
+                     expected_attention, keydiff, kvcompose_paper, lagkv, leverage, lukv, merging, noncausal_attention,
+                     with_merger)
 
 __all__ = ["full", "streaming_llm", "h2o", "snapkv", "tova", "knorm", "rkv", "random_attention", "vase", "PRESETS",
            "memory_hierarchy", "with_tier", "pyramid_rkv", "reason_alloc", "growpage", "with_allocator",
-           "reco", "Reco", "RewardAllocator", "reco_evict"]
+           "reco", "Reco", "RewardAllocator", "reco_evict",
+           "PORTED", "NEEDS_MODEL", "preset", "keydiff", "lagkv", "cur", "leverage", "noncausal_attention", "compactor",
+           "expected_attention", "cap", "criticalkv", "cam", "merging", "with_merger", "chunkkv", "kvcompose_paper",
+           "duo_attention", "lukv", "NEEDS_PROFILE", "adakv"]
 
 PRESETS = {
     "full": full,
@@ -28,3 +34,20 @@ PRESETS = {
     "reason_alloc": reason_alloc,  # the shipped ReasoningWave profile of the model if any, else head-wise only
     "growpage": growpage,
 }
+
+
+def preset(name: str, model=None, **kwargs):
+    """A preset by name: one of `PRESETS`, or one ported from kvpress (`PORTED`, built with `model=`; the ones in
+    `NEEDS_MODEL` require it). Keyword arguments go to the preset.
+
+    Example:
+        >>> methods.preset("keydiff")
+        >>> methods.preset("expected_attention", model=model, window=32)
+    """
+    from ..view import KVComposeError
+
+    if name in PRESETS:
+        return PRESETS[name](**kwargs)
+    if name in PORTED:
+        return PORTED[name](model=model, **kwargs)
+    raise KVComposeError(f"unknown preset {name!r}; presets: {', '.join([*PRESETS, *PORTED])}")

@@ -1,0 +1,118 @@
+"""LU-KV: head-wise budgets from a precomputed budget curve (global allocation over layers and KV heads).
+
+"Predicting Future Utility: Global Combinatorial Optimization for Task-Agnostic KV Cache Eviction"
+(LU-KV, arXiv 2602.08585); kvpress's `LUKVPress`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from ..allocators import Allocator
+from ..view import FAR_POSITION, KVComposeError, LayerView
+
+__all__ = ["HeadCurves", "CURVES_KIND", "head_keep_counts"]
+
+CURVES_KIND = "kvcompose.head_curves"
+
+
+def head_keep_counts(prune: Float[Tensor, " H"], seq_len: int) -> Int[Tensor, " H"]:
+    """kvpress LUKVPress's rounding: ideal keep counts `(1 - prune) * seq_len`, their rounded sum as the layer's
+    total (at least one token per head), floors plus one for the largest fractional parts, clamped to
+    `[1, seq_len]`."""
+    h = prune.numel()
+    ideal = (1.0 - prune.float()).clamp(0.0, 1.0) * seq_len
+    total = int(torch.round(ideal.sum()).item())
+    total = max(h, min(h * seq_len, total))
+    base = torch.floor(ideal).long()
+    rem = total - int(base.sum().item())
+    if rem > 0:
+        base[torch.topk(ideal - base, k=min(rem, h)).indices] += 1
+    return base.clamp(min=1, max=seq_len)
+
+
+class HeadCurves(Allocator):
+    """LU-KV's allocation: a budget curve gives, for each global compression ratio `r` in 1%..99%, the share of
+    its tokens each (layer, KV head) prunes; the layers' totals differ (the allocation is global).
+
+    At an event of layer `l` that has seen `n` tokens with cache budget `B`, `r = 1 - B / n` picks the curve's row
+    `round(100 r) - 1` (clamped to 0..98), and head `h` keeps `(1 - prune[r, l, h]) * n` tokens, rounded as
+    kvpress does (`head_keep_counts`) and never more than it holds. kvpress's `LUKVPress` runs at prefill, where
+    `n` is the prompt: the same rule. During decoding `n` is every token seen, so a curve calibrated on full
+    contexts keeps its meaning (the share of the sequence each head keeps); heads that hold fewer tokens than
+    their share keep all of theirs. Paged storage (`uniform = False`).
+
+    Curves: a `[99, layers, KV heads]` list in a profile (`kvcompose calibrate --target lukv`, which measures them on
+    full-cache traces: for each ratio, the global top-k of every head's sorted attention mass) or LU-KV's own
+    `.npy` curves loaded by the caller.
+
+    Args:
+        curves: a path or dict with `prune` `[99][L][H]`, or the array itself.
+        floor: the fewest tokens a head keeps (kvpress: 1); at least what the pipeline's fixed protectors keep
+            (checked when the cache is built: kvpress's sinks and window can be cut by a small head budget,
+            kvcompose's protected tokens cannot).
+        page_size: tokens per page of the paged storage.
+    """
+
+    uniform = False
+
+    def __init__(self, curves: str | os.PathLike | dict | Any, floor: int = 1, page_size: int = 16):
+        self.path = None
+        if isinstance(curves, (str, os.PathLike)):
+            p = Path(curves)
+            if not p.is_file():
+                raise KVComposeError(f"HeadCurves: curve file {str(p)!r} not found; write one with "
+                                     "`kvcompose calibrate --target lukv --out FILE`")
+            try:
+                curves = json.loads(p.read_text())
+            except json.JSONDecodeError as e:
+                raise KVComposeError(f"HeadCurves: {p} is not valid JSON ({e})") from None
+            self.path = str(p)
+        data = curves.get("prune") if isinstance(curves, dict) else curves
+        try:
+            t = torch.as_tensor(data, dtype=torch.float32, device="cpu")
+        except (TypeError, ValueError, RuntimeError):
+            raise KVComposeError("HeadCurves: curves must be a [99, layers, KV heads] array of prune shares") from None
+        if t.dim() != 3 or t.shape[0] != 99 or not bool(torch.isfinite(t).all()) or bool(((t < 0) | (t > 1)).any()):
+            raise KVComposeError(f"HeadCurves: curves must be a [99, layers, KV heads] array of shares in [0, 1], "
+                                 f"got shape {tuple(t.shape)}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise KVComposeError(f"HeadCurves: bad page size {page_size!r}: a positive int")
+        if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1:
+            raise KVComposeError(f"HeadCurves: floor must be a positive int, got {floor!r}")
+        self.prune, self.page_size, self.floor = t, page_size, floor
+
+    def check(self, pipeline: Any, budget: int | None, num_layers: int, num_heads: int) -> None:
+        if tuple(self.prune.shape[1:]) != (num_layers, num_heads):
+            raise KVComposeError(f"HeadCurves: the curves have {tuple(self.prune.shape[1:])} (layers, KV heads), the "
+                                 f"model {(num_layers, num_heads)}: calibrate them on this model")
+        super().check(pipeline, budget, num_layers, num_heads)
+        if budget is not None and pipeline.fixed_protection(budget) > self.floor:
+            raise KVComposeError(f"HeadCurves: a head may keep only floor={self.floor} tokens, fewer than the "
+                                 f"{pipeline.fixed_protection(budget)} its protectors keep: give floor >= that")
+
+    def keep_counts(self, layer: int, budget: int, seen: int) -> Int[Tensor, " H"]:
+        """Tokens each KV head of `layer` keeps at cache budget `budget` after `seen` tokens."""
+        if seen <= budget:
+            return torch.full((self.prune.shape[2],), max(seen, 1), dtype=torch.long, device=self.prune.device)
+        idx = max(0, min(98, int(round((1.0 - budget / seen) * 100)) - 1))
+        return head_keep_counts(self.prune[idx, layer], seen)
+
+    def allocate(self, view: LayerView, budget: int) -> Int[Tensor, "B H"]:
+        b, h, _ = view.shape
+        keep = self.keep_counts(view.layer_idx, budget, view.seen).to(view.device)
+        if keep.numel() != h:
+            raise KVComposeError(f"HeadCurves: the curves have {keep.numel()} KV heads, the layer {h}")
+        held = (view.positions < FAR_POSITION).sum(-1).clamp(min=1)
+        return torch.minimum(keep[None, :].expand(b, h).clamp(min=min(self.floor, budget)), held)
+
+    def __repr__(self) -> str:
+        src = os.path.basename(self.path) if self.path else "array"
+        return f"HeadCurves({src!r})"
