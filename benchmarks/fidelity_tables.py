@@ -234,6 +234,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", nargs="+", required=True, help="run folders on the chosen prompts")
     p.add_argument("--heldout", nargs="*", default=[], help="run folders on the held-out prompts")
     p.add_argument("--target", default=None, help="the composition to compare with kvpress's best press")
+    p.add_argument("--label", default="chosen", help="name of the --runs prompt set in the target table")
     p.add_argument("--budgets", nargs="+", type=int, default=BUDGETS)
     p.add_argument("--target-budgets", nargs="+", type=int, default=[128, 256],
                    help="budgets of the target table (default 128 256)")
@@ -252,12 +253,16 @@ def main(argv=None) -> int:
     md, data = snapkv_table(rows, [b for b in args.budgets if b != 512] or args.budgets)
     written["snapkv"] = (md, data)
     if args.target:
-        sets = {"chosen": rows}
+        sets = {args.label: rows}
         if args.heldout:
             sets["held out"], hmeta = load_rows(args.heldout)
             meta += hmeta
         md, data = target_table(sets, args.target, args.target_budgets)
         written["target"] = (md, data)
+    sets = {args.label: rows} | ({"held out": load_rows(args.heldout)[0]} if args.heldout else {})
+    (out / "per_trace.json").write_text(json.dumps(
+        {name: {f"{e} | {m} | {b}": {p["id"]: [round(p["kl_mean"], 6), round(p["top1"], 5)] for p in r["per_trace"]}
+                for (e, m, b), r in rs.items()} for name, rs in sets.items()}, indent=0))
     for name, (md, data) in written.items():
         (out / f"{name}.md").write_text(md)
         (out / f"{name}.json").write_text(json.dumps({"runs": meta, "rows": data}, indent=1))
