@@ -39,6 +39,7 @@ from torch import Tensor
 from .allocators import Uniform
 from .compat import forward_cache
 from .kernels import value_magnitude
+from .kernels.ref import sums_by_index
 from .pipeline import Pipeline
 from .protectors import ProtectValueNorm
 from .selectors import BlockGranular
@@ -218,7 +219,7 @@ class RequestEvent:
             blk = _block_ids(positions, valid, self.block)
             ok = valid.float()
             cnt = torch.zeros(b, h, nb, device=dev).scatter_add_(-1, blk, ok)
-            sm = torch.zeros(b, h, nb, device=dev).scatter_add_(-1, blk, raw.clamp(-1e30, 1e30) * ok)
+            sm = sums_by_index(raw.clamp(-1e30, 1e30) * ok, blk, nb)  # deterministic (no atomic scatter_add_)
             real = cnt > 0
             head_mean = sm / cnt.clamp(min=1)
             layer_val = torch.where(real, head_mean, torch.zeros_like(head_mean)).sum(1) / real.float().sum(1).clamp(min=1)

@@ -139,12 +139,12 @@ def test_preempted_requests_are_recomputed_and_compressed_again(tiny):
 
     model, llm, log = tiny
     g = torch.Generator().manual_seed(1)
-    n, new = 48, 320
+    n, new = 64, 320  # 64 requests of up to 10 blocks each (budget 256 + interval + 1) in 480: vLLM must preempt
     prompts = [TokensPrompt(prompt_token_ids=torch.randint(3, 512, (20 + 3 * i,), generator=g).tolist())
                for i in range(n)]
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True,
                         extra_args=request_kwargs("streaming_llm", 256, interval=32))
-    before = os.path.getsize(log)
+    before = os.path.getsize(log) if os.path.exists(log) else 0  # the log starts at the first event
     stats0 = llm.collective_rpc("kvcompose_stats")[0]
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == new for o in outs)
@@ -162,8 +162,11 @@ def test_preempted_requests_are_recomputed_and_compressed_again(tiny):
             order.setdefault(x["preempted"], k)
     again = {x["request_id"] for k, x in enumerate(lines) if "request_id" in x and k > order.get(x["request_id"], 1e9)}
     assert preempted <= again, preempted - again
-    # and held its budget: every event leaves at most budget / block + 1 blocks
-    assert all(x["held_blocks"] <= 256 // BLOCK + 1 for x in lines if "request_id" in x)
+    # and held its budget: every event leaves the budget's blocks plus those the step writes into (the block of
+    # num_computed_tokens and on; a recomputed request may be compressed in the middle of its prefill chunks)
+    for x in (x for x in lines if "request_id" in x):
+        c, n = x["num_computed_tokens"], x["num_scheduled_tokens"]
+        assert x["held_blocks"] == 256 // BLOCK + -(-(c + n) // BLOCK) - c // BLOCK, x
 
 
 @pytest.fixture(scope="module")

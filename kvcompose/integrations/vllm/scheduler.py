@@ -172,7 +172,7 @@ class KVComposeScheduler(Scheduler):
             self.kvc_blocks_freed += len(gone)
             if self._kvc_log:
                 lines.append({"request_id": rid, "num_computed_tokens": c, "num_prompt_tokens": st.prompt_len,
-                              "freed": len(gone), "held_blocks": len(real) - len(gone),
+                              "num_scheduled_tokens": out.num_scheduled_tokens.get(rid), "freed": len(gone), "held_blocks": len(real) - len(gone),
                               "running": len(self.running), "free_blocks": pool.get_num_free_blocks(),
                               "seconds": time.perf_counter() - t0})
         for line in lines:

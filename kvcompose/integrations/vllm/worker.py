@@ -264,7 +264,14 @@ class KVComposeWorker(_PlatformWorker):
             rt.stats.step_seconds += time.perf_counter() - t0
             rt.stats.steps += int(count)
 
-    def kvcompose_stats(self) -> dict[str, Any]:
-        """The worker's kvcompose counters (`runtime.Stats`), for `LLM.collective_rpc("kvcompose_stats")`."""
+    def kvcompose_stats(self, reset: bool = False) -> dict[str, Any]:
+        """The worker's kvcompose counters (`runtime.Stats`), for `LLM.collective_rpc("kvcompose_stats")`;
+        `reset=True` (`collective_rpc("kvcompose_stats", kwargs={"reset": True})`) starts them over after
+        reading, so that one engine can measure several batches."""
         rt = getattr(self.model_runner, "_kvc", None)
-        return {} if rt is None else rt.stats.as_dict()
+        if rt is None:
+            return {}
+        out = rt.stats.as_dict()
+        if reset:
+            rt.stats = type(rt.stats)()
+        return out
