@@ -101,6 +101,16 @@ def h2o_snapkv_prompt(budget: int | None = None) -> Pipeline:
                     + WindowedAttention(32, gqa="mean", pool="avg", kernel=5), TopK(), name="h2o+snapkv+prompt")
 
 
+def with_heads(base: callable, name: str, floor: float = 0.25) -> callable:
+    """`base` with ReasonAlloc's head-wise budgets (`HeadUtility`, water-filling of the window's attention
+    mass, a floor of `floor` of the layer budget per head; no layer profile): heads whose attention spreads
+    get more slots, the per-row total unchanged (AdaKV's idea)."""
+    from kvcompose.allocators import HeadUtility
+    from kvcompose.methods.allocation import with_allocator
+
+    return lambda budget=None: with_allocator(base(budget), HeadUtility(floor=floor), name=name)
+
+
 PIPELINES = {
     "h2o+prompt": h2o_prompt,
     "h2o+value": h2o_value,
@@ -117,6 +127,10 @@ PIPELINES = {
     "h2o+prompt(recent=32)": h2o_prompt_recent(32),
     "h2o+snapkv": h2o_snapkv,
     "h2o+snapkv+prompt": h2o_snapkv_prompt,
+    "h2o+heads": with_heads(lambda b: methods.h2o(), "h2o+heads"),
+    "h2o+prompt+heads": with_heads(h2o_prompt, "h2o+prompt+heads"),
+    "snapkv+heads": with_heads(lambda b: methods.snapkv(), "snapkv+heads"),
+    "h2o+snapkv+heads": with_heads(h2o_snapkv, "h2o+snapkv+heads"),
 }
 
 PARENTS = {
@@ -132,4 +146,8 @@ PARENTS = {
     "streaming_llm+prompt": ("streaming_llm", "random_attention"),
     "h2o+snapkv": ("h2o", "snapkv"),
     "h2o+snapkv+prompt": ("h2o+snapkv", "snapkv+prompt"),
+    "h2o+heads": ("h2o", "reason_alloc"),
+    "h2o+prompt+heads": ("h2o+prompt", "h2o+heads"),
+    "snapkv+heads": ("snapkv", "reason_alloc"),
+    "h2o+snapkv+heads": ("h2o+snapkv", "h2o+heads"),
 }

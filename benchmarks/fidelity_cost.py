@@ -52,12 +52,16 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--kvpress", action="store_true", help="also kvpress's DecodingPress(SnapKVPress(16))")
     p.add_argument("--one-token", action="store_true", help="also kvcompose one token per forward (chunk 1)")
+    p.add_argument("--tokens", type=int, default=0, help="score the first N trace tokens of each trace (0 = all)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True, help="output path without suffix (.json and .md are written)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, _ = load_model()
     items = [Trace.from_dict(d) for d in json.loads(Path(args.traces).read_text())["items"]][: args.batch]
+    if args.tokens:
+        items = [Trace(**{**t.to_dict(), "id": f"{t.id}[:{args.tokens}]", "trace_ids": t.trace_ids[: args.tokens]})
+                 for t in items]
     if len({len(t.prompt_ids) for t in items}) != 1:
         sys.exit("the first --batch traces must have one prompt length (kvpress cannot batch padding)")
     refs = hidden_references(model, items, batch_size=len(items))

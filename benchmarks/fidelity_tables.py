@@ -44,6 +44,8 @@ def load_rows(folders: list[str]) -> tuple[dict[tuple[str, str, int | None], dic
     meta = []
     for f in folders:
         d = json.loads((Path(f) / "fidelity.json").read_text())
+        if (Path(f) / "cells").is_dir():  # the cells are the record (processes writing into one folder at once
+            d["rows"] = cell_rows(Path(f) / "cells")  # each rewrite fidelity.json with the rows they know)
         meta.append({"folder": Path(f).name, "command": d.get("config", {}).get("command", ""),
                      "versions": d.get("versions", {}), "selection": d.get("selection"),
                      "engines": sorted({r["engine"] for r in d["rows"]})})
@@ -52,6 +54,25 @@ def load_rows(folders: list[str]) -> tuple[dict[tuple[str, str, int | None], dic
                 continue
             rows[(_engine(r["engine"]), r["method"], r["budget"])] = r
     return rows, meta
+
+
+def cell_rows(cells: Path) -> list[dict]:
+    """Rows (engine, method, budget, per-trace KL and top-1) from the `cells/*.jsonl` of a fidelity run: one
+    line per finished trace, so an unfinished cell gives the prompts its finished batches scored."""
+    rows = []
+    for path in sorted(cells.glob("*.jsonl")):
+        per, head = {}, None
+        for line in path.read_text().splitlines():
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a killed run
+                continue
+            head = d
+            per[d["id"]] = {"id": d["id"], "kl_mean": sum(d["kl"]) / len(d["kl"]), "top1": sum(d["top1"]) / len(d["top1"])}
+        if head is not None:
+            rows.append({"engine": head["engine"], "method": head["method"], "budget": head["budget"],
+                         "kind": head.get("kind", "sampled"), "per_trace": list(per.values())})
+    return rows
 
 
 def _per(row: dict) -> dict[str, float]:
@@ -70,21 +91,30 @@ def stats(row: dict, seed: int = 0) -> dict[str, Any]:
             "top1": sum(t1.values()) / len(ids), "top1_ci": bootstrap_mean([t1[i] for i in ids], n, seed=seed)}
 
 
+def shared(a: dict, b: dict) -> list[str]:
+    """The prompts both rows have (a row of an unfinished run holds the batches that finished)."""
+    return sorted(set(_per(a)) & set(_per(b)))
+
+
 def ratio(a: dict, b: dict, seed: int = 0) -> tuple[float, float, float]:
-    """Paired bootstrap ratio of mean KL a / b over the prompts both rows have."""
+    """Paired bootstrap ratio of mean KL a / b over the prompts both rows have (`shared`)."""
     ka, kb = _per(a), _per(b)
-    ids = sorted(set(ka) & set(kb))
-    if len(ids) < len(ka) or len(ids) < len(kb):
-        raise SystemExit(f"rows compared on different prompts ({len(ka)} and {len(kb)}, {len(ids)} shared)")
+    ids = shared(a, b)
+    if not ids:
+        raise SystemExit("rows compared on disjoint prompts")
     ones = [1.0] * len(ids)
     return bootstrap_ratio([ka[i] for i in ids], ones, [kb[i] for i in ids], ones, seed=seed)
+
+
+FULL_N = 32  # prompts of a finished cell; a cell with fewer says how many
 
 
 def _cell(s: dict | None, key: str, digits: int) -> str:
     if s is None:
         return "-"
     lo, hi = s[f"{key}_ci"]
-    return f"{fmt(s[key], digits)} [{fmt(lo, digits)}, {fmt(hi, digits)}]"
+    n = f" (n={s['n']})" if s["n"] != FULL_N else ""
+    return f"{fmt(s[key], digits)} [{fmt(lo, digits)}, {fmt(hi, digits)}]{n}"
 
 
 def main_table(rows, budgets) -> tuple[str, list[dict]]:
@@ -129,8 +159,11 @@ def composition_table(rows, parents: dict[str, tuple[str, str]], budgets) -> tup
                 continue
             better = a if stats(a)["kl"] <= stats(bb)["kl"] else bb
             r, lo, hi = ratio(c, better)
-            verdict = "beats both" if hi < 1 else ("worse" if lo > 1 else "tie")
-            cells.append(f"{fmt(stats(c)['kl'], 4)} / {r:.2f} [{lo:.2f}, {hi:.2f}] {verdict}")
+            verdict = "beats both" if hi < 1 and ratio(c, a if better is bb else bb)[2] < 1 else (
+                "worse" if lo > 1 else "tie" if lo <= 1 <= hi else "beats the better parent only")
+            n = len(shared(c, better))
+            cells.append(f"{fmt(stats(c)['kl'], 4)} / {r:.2f} [{lo:.2f}, {hi:.2f}] {verdict}"
+                         + (f" (n={n})" if n != FULL_N else ""))
             out.append({"composition": comp, "parents": [pa, pb], "budget": b, "kl": stats(c)["kl"],
                         "better_parent": pa if better is a else pb, "ratio": r, "ratio_ci": [lo, hi], "verdict": verdict})
         lines.append(f"| {comp} | {pa}, {pb} | " + " | ".join(cells) + " |")
@@ -179,14 +212,18 @@ def target_table(sets: dict[str, dict], target: str, budgets) -> tuple[str, list
     out = []
     for name, rows in sets.items():
         for b in budgets:
-            best = best_press(rows, b)
             mine = rows.get(("kvcompose", target, b))
-            if best is None or mine is None:
+            presses = [(m, r) for (e, m, bb), r in rows.items() if e == "kvpress" and bb == b and m != "snapkv(sorted)"]
+            if not presses or mine is None:
                 continue
+            # kvpress's best press on the prompts it shares with the pipeline (the largest ratio: the strictest)
+            best = max(presses, key=lambda x: ratio(mine, x[1])[0])
             r, lo, hi = ratio(mine, best[1])
             met = "yes" if hi <= 0.7 else ("point estimate only" if r <= 0.7 else "no")
-            lines.append(f"| {name} | {b} | {best[0]} | {_cell(stats(best[1]), 'kl', 4)} | {_cell(stats(mine), 'kl', 4)} | "
-                         f"{r:.2f} [{lo:.2f}, {hi:.2f}] | {met} |")
+            n = len(shared(mine, best[1]))
+            others = ", ".join(f"{m} {ratio(mine, r)[0]:.2f}" for m, r in presses if m != best[0])
+            lines.append(f"| {name} | {b} | {best[0]}{f' (ratio to {others})' if others else ''} | {_cell(stats(best[1]), 'kl', 4)} | {_cell(stats(mine), 'kl', 4)} | "
+                         f"{r:.2f} [{lo:.2f}, {hi:.2f}] (n={n}) | {met} |")
             out.append({"prompts": name, "budget": b, "press": best[0], "press_kl": stats(best[1]), "pipeline": target,
                         "kl": stats(mine), "ratio": r, "ratio_ci": [lo, hi], "met": met})
     return "\n".join(lines) + "\n", out
@@ -197,7 +234,10 @@ def main(argv=None) -> int:
     p.add_argument("--runs", nargs="+", required=True, help="run folders on the chosen prompts")
     p.add_argument("--heldout", nargs="*", default=[], help="run folders on the held-out prompts")
     p.add_argument("--target", default=None, help="the composition to compare with kvpress's best press")
+    p.add_argument("--label", default="chosen", help="name of the --runs prompt set in the target table")
     p.add_argument("--budgets", nargs="+", type=int, default=BUDGETS)
+    p.add_argument("--target-budgets", nargs="+", type=int, default=[128, 256],
+                   help="budgets of the target table (default 128 256)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     from compositions import PARENTS
@@ -213,12 +253,16 @@ def main(argv=None) -> int:
     md, data = snapkv_table(rows, [b for b in args.budgets if b != 512] or args.budgets)
     written["snapkv"] = (md, data)
     if args.target:
-        sets = {"chosen": rows}
+        sets = {args.label: rows}
         if args.heldout:
             sets["held out"], hmeta = load_rows(args.heldout)
             meta += hmeta
-        md, data = target_table(sets, args.target, [128, 256])
+        md, data = target_table(sets, args.target, args.target_budgets)
         written["target"] = (md, data)
+    sets = {args.label: rows} | ({"held out": load_rows(args.heldout)[0]} if args.heldout else {})
+    (out / "per_trace.json").write_text(json.dumps(
+        {name: {f"{e} | {m} | {b}": {p["id"]: [round(p["kl_mean"], 6), round(p["top1"], 5)] for p in r["per_trace"]}
+                for (e, m, b), r in rs.items()} for name, rs in sets.items()}, indent=0))
     for name, (md, data) in written.items():
         (out / f"{name}.md").write_text(md)
         (out / f"{name}.json").write_text(json.dumps({"runs": meta, "rows": data}, indent=1))

@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--offset", type=int, default=0, help="first question line (default 0)")
     f.add_argument("--min-prompt-tokens", type=int, default=0,
                    help="use only questions whose chat prompt has at least this many tokens (default 0: the first ones)")
-    f.add_argument("--new-tokens", type=int, default=1536, help="reference trace length in tokens (default 1536)")
+    f.add_argument("--new-tokens", type=int, default=1536, help="reference trace length in tokens (default 1536); with --traces, longer saved traces "
+                   "are scored on their first N tokens")
     f.add_argument("--kinds", nargs="+", default=["sampled", "worked"], choices=["sampled", "greedy", "worked"],
                    help="trace kinds (default: sampled worked)")
     f.add_argument("--methods", nargs="*", default=methods,
@@ -102,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="traces.json files of earlier runs whose questions are not selected (a held-out set)")
     f.add_argument("--references", default=None,
                    help="folder for the full-cache references (hidden states), reused by later runs")
+    f.add_argument("--no-recall", action="store_true",
+                   help="skip the prompt-recall probe after each trace (about a third of a 256-token row's cost)")
     f.add_argument("--kvpress-inprocess", action="store_true",
                    help="run --kvpress-presses in this process (kvpress installed here; transformers 5.2), batched")
     f.add_argument("--short-budgets", nargs="*", type=int, default=[64, 128],
@@ -409,7 +412,7 @@ def _bench(args, argv: list[str]) -> int:
             kvpress_max_items=args.kvpress_max_items, kvpress_parallel=not args.kvpress_sequential,
             kvpress_json=args.kvpress_json, traces=args.traces, kvpress_inprocess=args.kvpress_inprocess,
             batch_size=args.batch_size, groups=args.groups, group_size=args.group_size, select_seed=args.select_seed,
-            exclude=args.exclude, pipelines=args.pipelines, references=args.references,
+            exclude=args.exclude, pipelines=args.pipelines, references=args.references, recall=not args.no_recall,
             threads=args.threads, out=args.out, command=command,
         )
         run.run_fidelity(cfg)

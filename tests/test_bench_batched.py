@@ -202,3 +202,43 @@ def test_cli_batches_resumes_and_holds_out(tiny_dir, grouped_questions, tmp_path
     assert len(ids) == 2 and not ids & {t["id"] for t in traces}
     assert run.select_prompt_groups(tok, grouped_questions, 2, 2, 3) == run.select_prompt_groups(
         tok, grouped_questions, 2, 2, 3)
+
+
+def test_reused_traces_are_cut_to_new_tokens(tiny_dir, grouped_questions, tmp_path):
+    """`--traces` with a shorter `--new-tokens`: each saved trace is scored on its first new_tokens tokens, and
+    the per-token KL equals the first new_tokens per-token KL of the whole trace (teacher forcing is causal)."""
+    import json
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    args = ["--groups", "1", "--group-size", "2", "--batch-size", "2", "--methods", "h2o"]
+    assert _fid(tiny_dir, grouped_questions, full, *args) == 0
+    from kvcompose import cli
+
+    assert cli.main(["bench", "fidelity", "--model", tiny_dir, "--data", grouped_questions, "--new-tokens", "16",
+                     "--kinds", "sampled", "--budgets", "40", "--interval", "8", "--short-budgets",
+                     "--free-gen-prompts", "0", "--out", str(cut), "--traces", str(full / "traces.json"), *args]) == 0
+    items = json.loads((cut / "traces.json").read_text())["items"]
+    assert [len(t["trace_ids"]) for t in items] == [16, 16] and all(t["id"].endswith("[:16]") for t in items)
+    read = lambda p: {json.loads(x)["id"]: json.loads(x)["kl"]  # noqa: E731
+                      for x in next((p / "cells").glob("*h2o*")).read_text().splitlines()}
+    whole, part = read(full), read(cut)
+    assert len(part) == 2
+    for tid, kl in part.items():
+        assert len(kl) == 16 and max(kl) > 1e-6  # h2o at 40 compresses inside the first 16 tokens
+        assert kl == pytest.approx(whole[tid.removesuffix("[:16]")][:16], abs=1e-5)
+
+
+def test_no_recall_skips_the_probe_only(tiny_dir, grouped_questions, tmp_path):
+    """`--no-recall`: the rows have no recall numbers, and the same per-token KL as with the probe."""
+    import json
+
+    args = ["--groups", "1", "--group-size", "2", "--batch-size", "2", "--methods", "h2o",
+            "--references", str(tmp_path / "refs")]
+    assert _fid(tiny_dir, grouped_questions, tmp_path / "with", *args) == 0
+    assert _fid(tiny_dir, grouped_questions, tmp_path / "without", *args, "--no-recall",
+                "--traces", str(tmp_path / "with" / "traces.json")) == 0
+    rows = [next(r for r in json.loads((tmp_path / d / "fidelity.json").read_text())["rows"] if r["method"] == "h2o")
+            for d in ("with", "without")]
+    assert rows[0]["recall_delta"] is not None and rows[1]["recall_delta"] is None
+    assert [p["kl_mean"] for p in rows[1]["per_trace"]] == pytest.approx([p["kl_mean"] for p in rows[0]["per_trace"]],
+                                                                          abs=1e-6)

@@ -72,6 +72,7 @@ class FidelityConfig:
     exclude: list[str] | None = None  # traces.json files whose questions are not selected (held-out sets)
     pipelines: list[str] | str | None = None  # Python files with PIPELINES = {name: callable(budget) -> Pipeline}
     references: str | None = None  # folder of full-cache references (hidden states), reused across runs
+    recall: bool = True  # False: skip the prompt-recall probe after each trace (kvcompose rows; kvpress has none)
     kl_bucket: int = 64
     threads: int | None = None
     out: str = "runs/fidelity"
@@ -501,7 +502,13 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
         saved = [Trace.from_dict(d) for d in json.loads(Path(cfg.traces).read_text())["items"]]
         for kind in cfg.kinds:
             traces += [t for t in saved if t.kind == kind][: n_prompts]
-        log(f"reusing {len(traces)} traces from {cfg.traces}")
+        # a saved trace longer than --new-tokens is scored on its first new_tokens tokens: teacher forcing is
+        # causal, so that prefix is the computation a shorter trace gives (the recall probe follows the prefix)
+        cut = [t for t in traces if len(t.trace_ids) > cfg.new_tokens]
+        traces = [Trace(**{**t.to_dict(), "id": f"{t.id}[:{cfg.new_tokens}]", "trace_ids": t.trace_ids[: cfg.new_tokens]})
+                  if len(t.trace_ids) > cfg.new_tokens else t for t in traces]
+        log(f"reusing {len(traces)} traces from {cfg.traces}" + (f" ({len(cut)} cut to their first {cfg.new_tokens} "
+                                                                 "tokens)" if cut else ""))
     else:
         for kind in cfg.kinds:
             traces += make_traces(model, tok, questions, new_tokens=cfg.new_tokens, kind=kind, seed=cfg.seed,
@@ -556,6 +563,11 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
         refs = references_for(model, (list(traces) if False in needed or not combos else [])
                               + ([short[t.id] for t in traces if short[t.id] is not t] if True in needed else []),
                               cfg.references, model_name, cfg.dtype, batch_size=max(cfg.batch_size, 8), log=log)
+    if not cfg.recall:  # the references stay keyed by the whole trace; the probe is just not run
+        from dataclasses import replace as _replace
+
+        traces = [_replace(t, recall_ids=[], recall_target_ids=[]) for t in traces]
+        short = {k: _replace(t, recall_ids=[], recall_target_ids=[]) for k, t in short.items()}
 
     from .fidelity import evaluate_batch
     from .kvpress_fidelity import evaluate_press_batch, make_press, press_batches
