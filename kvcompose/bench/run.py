@@ -22,6 +22,7 @@ from ..view import KVComposeError
 from . import report
 from .common import _DTYPES, COMPRESSING, load_model, make_pipeline, versions  # noqa: F401
 from .data import default_data_path, load_questions, resolve_questions
+from .cells import _cell_path, _load_scores, _read_cell, _save_scores, references_for  # noqa: F401
 from .fidelity import FidelityResult, evaluate_trace, free_generation
 from .traces import RepetitionGuard, Trace, make_traces, prompt_ids
 
@@ -335,97 +336,6 @@ def _pipeline(name: str, budget: int | None, custom: dict[str, Any], model=None)
     if name not in _methods.PRESETS and name in getattr(_methods, "PORTED", {}):
         return _methods.preset(name, model=model)
     return make_pipeline(name, budget)
-
-
-# ------------------------------------------------------------------------------------------ references
-def _trace_key(model_name: str, dtype: str, t: Trace) -> str:
-    import hashlib
-
-    h = hashlib.sha256(json.dumps([model_name, dtype, t.prompt_ids, t.trace_ids, t.recall_ids, t.recall_target_ids]
-                                  ).encode()).hexdigest()
-    return h[:24]
-
-
-def references_for(model, traces: list[Trace], store: str | os.PathLike | None, model_name: str, dtype: str,
-                   batch_size: int = 8, log=print) -> dict[str, Any]:
-    """`{trace id: HiddenReference}`: loaded from `store` (one file per trace, keyed by model, dtype and the
-    trace's tokens) or computed with `hidden_references` (batched over equal prompt lengths) and saved there."""
-    from .fidelity import HiddenReference, hidden_references
-    from .kvpress_fidelity import press_batches
-
-    out: dict[str, Any] = {}
-    todo = []
-    folder = Path(store) if store else None
-    for t in traces:
-        f = folder / f"{_trace_key(model_name, dtype, t)}.pt" if folder else None
-        if f is not None and f.exists():
-            d = torch.load(f, weights_only=True)
-            out[t.id] = HiddenReference(hidden=d["hidden"], nll=d["nll"], recall=d["recall"])
-        else:
-            todo.append(t)
-    if todo:
-        t0 = time.perf_counter()
-        for group in press_batches(todo, batch_size):
-            for t, ref in zip(group, hidden_references(model, group, batch_size=len(group))):
-                out[t.id] = ref
-                if folder is not None:
-                    folder.mkdir(parents=True, exist_ok=True)
-                    f = folder / f"{_trace_key(model_name, dtype, t)}.pt"
-                    tmp = f.with_suffix(".tmp")
-                    torch.save({"hidden": ref.hidden, "nll": ref.nll, "recall": ref.recall}, tmp)
-                    os.replace(tmp, f)
-        log(f"full-cache references of {len(todo)} traces in {time.perf_counter() - t0:.0f}s")
-    return out
-
-
-# ------------------------------------------------------------------------------------------ cells (resume)
-def _cell_path(out: Path, engine: str, method: str, budget: int | None) -> Path:
-    import re
-
-    safe = re.sub(r"[^A-Za-z0-9_.+-]+", "_", f"{engine}__{method}__{budget}")
-    return out / "cells" / f"{safe}.jsonl"
-
-
-def _round(xs: list[float]) -> list[float]:
-    return [float(f"{x:.7g}") for x in xs]
-
-
-def _save_scores(path: Path, scores: list, cell: tuple[str, str, int | None]) -> None:
-    from dataclasses import asdict
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        for sc in scores:
-            d = asdict(sc)
-            for k in ("top1", "kl", "nll", "nll_full"):
-                d[k] = _round(d[k])
-            f.write(json.dumps({"engine": cell[0], "method": cell[1], "budget": cell[2], **d}) + "\n")
-
-
-def _read_cell(path: Path) -> tuple[tuple[str, str, int | None] | None, dict[str, Any]]:
-    """`((engine, method, budget), {trace id: TraceScore})` of a cell file (lines cut by a killed run are skipped:
-    their batch runs again)."""
-    from dataclasses import fields
-
-    from .fidelity import TraceScore
-
-    names = {f.name for f in fields(TraceScore)}
-    done: dict[str, Any] = {}
-    cell = None
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                try:
-                    d = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                cell = (d.get("engine"), d.get("method"), d.get("budget"))
-                done[d["id"]] = TraceScore(**{k: v for k, v in d.items() if k in names})
-    return cell, done
-
-
-def _load_scores(path: Path) -> dict[str, Any]:
-    return _read_cell(path)[1]
 
 
 def _kvpress_engine() -> str:

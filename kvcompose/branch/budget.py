@@ -149,6 +149,7 @@ class BudgetMixin:
             m = Prefetcher.merge(v.keys, v.values, v.positions, v.valid, seg.store.read_channels(), fetched)
             lengths = (m.positions < FAR_POSITION).sum(-1)
             seg.store.assign(StoreView(m.keys, m.values, m.positions, m.valid), m.channels, lengths)
+            seg.store.trim()  # a restored node holds what it held: no room kept for appends it will not get
             seg.tier = self.tier.init(layer.spec)
         if fetched_any:
             self.rehydrations["host"] += 1
