@@ -35,6 +35,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from . import attention as _hook
 from . import copying as _copying
+from . import crop as _crop
 from .allocators import layer_budget as _layer_budget
 from .compat import no_trace
 from .events import rows_due, rows_over, run_event
@@ -476,64 +477,12 @@ class ComposeLayer(CacheLayerMixin):
 
     # -- rolling back (crop) ----------------------------------------------------------------------------
     def crop_count(self, tokens_to_remove: int) -> int:
-        """How many of the newest tokens `crop(tokens_to_remove)` removes: `-tokens_to_remove` (transformers'
-        form), or, for a positive value (the legacy form), all but that many tokens seen."""
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-            raise KVComposeError(f"crop takes an int, got {tokens_to_remove!r}")
-        n = -tokens_to_remove if tokens_to_remove <= 0 else self.seen - tokens_to_remove
-        return max(0, min(n, self.seen))
+        """How many of the newest tokens `crop(tokens_to_remove)` removes (`kvcompose.crop.crop_count`)."""
+        return _crop.crop_count(self, tokens_to_remove)
 
     def crop_refusal(self, n: int) -> str | None:
-        """Why removing the newest `n` tokens would not leave exactly the layer that a fresh cache fed only the
-        tokens before them holds (None: the crop is exact). A crop is exact only when nothing that the removed
-        tokens changed outlives them:
-
-        - no compaction since the crop point (a compression event, or a sliding-window cut): what it evicted
-          cannot come back, and a fresh run would still hold it;
-        - no observer state (H2O's accumulated attention adds every attention step into every held token's
-          state; the removed queries' share cannot be taken back out);
-        - no query the query ring dropped that a fresh run would still hold at its next compression event.
-        """
-        if not self.is_initialized or n <= 0:
-            return None
-        cfg, pipe, seg = self.config, self.config.pipeline, self.write_segment()
-        end = self.seen - n
-        if n > seg.n:
-            return f"layer {self.layer_idx} was written only {seg.n} tokens since its last branch point"
-        if self.compacted_at > end:
-            what = "a sliding-window cut" if self.sliding_window is not None else "a compression event"
-            return (f"{what} at token {self.compacted_at} removed tokens from layer {self.layer_idx} that a cache "
-                    f"fed only the first {end} tokens would still hold, and evicted tokens cannot come back: crop at "
-                    f"most {self.seen - self.compacted_at} tokens (to the last event), or copy.deepcopy(cache) at the "
-                    "point you may return to and continue from the copy")
-        if pipe.observers and cfg.observe and self.sliding_window is None:
-            names = ", ".join(sorted({repr(pipe.leaves[i]) for i in pipe.observers}))
-            return (f"{names} of the pipeline keeps state from every attention step (e.g. H2O's accumulated "
-                    "attention of every held token), and the removed tokens' attention cannot be taken back out of "
-                    "it: copy.deepcopy(cache) at the point you may return to and continue from the copy")
-        w = pipe.query_window if self.sliding_window is None else 0
-        if w > 0 and self.scheduled():
-            held = seg.ring.positions
-            nxt = self._next_read(end)
-            if held is not None and held.numel() >= w and nxt < self.seen:
-                return (f"layer {self.layer_idx} keeps its last {w} queries for the pipeline and has dropped older "
-                        f"ones that a cache fed only the first {end} tokens would still read at its next compression "
-                        f"event (token {nxt}): crop at most {self.seen - self._last_read(end)} tokens here, or "
-                        "copy.deepcopy(cache) at the point you may return to")
-        return None
-
-    def _next_read(self, end: int) -> int:
-        """The earliest tokens-seen count at which a cache cut back to `end` tokens runs its next compression
-        event (and so reads its query ring): the next multiple of the interval of decoded tokens."""
-        if self.config.trigger:
-            return end + 1
-        prompt = min(self.prompt_length, end)
-        return prompt + ((end - prompt) // self.config.interval + 1) * self.config.interval
-
-    def _last_read(self, end: int) -> int:
-        """The schedule point at or before `seen`: a crop that stays after it never loses a query it needs."""
-        prompt = min(self.prompt_length, end)
-        return prompt + max(0, (self.seen - 1 - prompt) // self.config.interval) * self.config.interval
+        """Why removing the newest `n` tokens would not be exact, or None (`kvcompose.crop.crop_refusal`)."""
+        return _crop.crop_refusal(self, n)
 
     @_no_trace
     def crop(self, tokens_to_remove: int) -> None:
@@ -549,24 +498,7 @@ class ComposeLayer(CacheLayerMixin):
 
     def apply_crop(self, n: int) -> None:
         """Remove the newest `n` tokens of the write segment (`crop_refusal(n)` must be None)."""
-        if not self.is_initialized or n <= 0:
-            return
-        seg = self.write_segment()
-        end = self.seen - n
-        lengths = seg.store.lengths
-        idx = (lengths[..., None] - n + torch.arange(n, device=self.device)).clamp(min=0)
-        tail = seg.store.view().positions.gather(-1, idx)
-        want = torch.arange(end, self.seen, device=self.device)
-        if n > int(lengths.min()) or not bool((tail == want).all()):  # guarded by compacted_at; never expected
-            raise KVComposeError(f"cannot crop {n} tokens: layer {self.layer_idx} no longer holds all of them")
-        if end == 0 and seg.start == 0:
-            self.reset()  # nothing left: exactly a fresh layer (its generator is reseeded at the next token)
-            return
-        seg.store.crop(n)
-        seg.n -= n
-        seg.ring.crop(end)
-        self.prompt_length = min(self.prompt_length, end)
-        self.config.prefetcher.clear()
+        _crop.apply_crop(self, n)
 
     def offload(self):
         raise KVComposeError("KVComposeCache manages its own tiers; use a HostTier instead of offloading")
