@@ -42,7 +42,7 @@ from .compat import forward_cache
 from .kernels import value_magnitude
 from .kernels.ref import sums_by_index
 from .pipeline import Pipeline
-from .protectors import ProtectValueNorm
+from .protectors import ProtectValueNorm, resolve_count
 from .selectors import BlockGranular
 from .view import KVComposeError, LayerView
 
@@ -102,6 +102,10 @@ class BlockProtectValueNorm(ProtectValueNorm):
         if not self.per_head:
             val = val.amax(1, keepdim=True).expand_as(val)
         return val, blk
+
+    def max_count(self, budget: int) -> int:
+        """Whole blocks within `k` tokens (the sinks count inside them, not as a floor as for the token version)."""
+        return resolve_count(self.k, budget)
 
     def protect(self, view: LayerView, budget: int, room: int) -> Bool[Tensor, "B H T"]:
         n_blocks = self.max_count(budget) // self.block

@@ -173,7 +173,9 @@ class ProtectPrompt(Protector):
 
 class ProtectValueNorm(Protector):
     """Keep the `k` tokens of largest value magnitude (VaSE: k = budget/4 by value range, the 4 sinks
-    counted as infinitely large and so always inside the k).
+    counted as infinitely large and so always inside the k). The sinks are a fixed count: when `k` resolves to
+    fewer tokens than `sinks` (a small budget), `sinks` tokens are protected, so the constructor's budget check
+    counts them and every sink is kept (before, `k = 1` kept one of the sinks, not necessarily the first).
 
     Args:
         k: count (int) or share of the budget (float, VaSE 0.25).
@@ -191,7 +193,7 @@ class ProtectValueNorm(Protector):
         self.k, self.kind, self.sinks, self.exclude_recent = k, kind, sinks, exclude_recent
 
     def max_count(self, budget: int) -> int:
-        return resolve_count(self.k, budget)
+        return max(resolve_count(self.k, budget), self.sinks)
 
     def protect(self, view, budget, room):
         mag = value_magnitude(view.values, self.kind)
