@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .block import Block
 from .kernels import value_magnitude
+from .kernels.ref import top_last
 from .view import KVComposeError, LayerView, warn_unused
 
 __all__ = ["Protector", "ProtectPrompt", "ProtectSinks", "ProtectRecent", "ProtectValueNorm", "resolve_count"]
@@ -46,7 +47,7 @@ def _rank_mask(order_key: Tensor, count: int, eligible: Bool[Tensor, "B H T"]) -
     if count <= 0:
         return torch.zeros_like(eligible)
     key = order_key.float().masked_fill(~eligible, float("-inf"))
-    idx = key.topk(count, dim=-1).indices
+    idx = top_last(key, count)  # ties: the newest, whatever the row's padded width
     out = torch.zeros_like(eligible)
     out.scatter_(-1, idx, True)
     return out & eligible

@@ -21,7 +21,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .block import Block, require_role
-from .kernels.ref import run_sums
+from .kernels.ref import run_sums, top_last
 from .view import KVComposeError
 
 __all__ = ["Selector", "TopK", "Sample", "RandomDrop", "BlockGranular", "indices_from_priority", "priority_order"]
@@ -67,10 +67,12 @@ def _kept_first(order: Int[Tensor, "B H T"], kept: Int[Tensor, "B H K"]) -> Int[
 def indices_from_priority(
     priority: Float[Tensor, "B H T"], budget: Int[Tensor, "B H"]
 ) -> Int[Tensor, "B H K"]:
-    """Keep the `budget[b, h]` slots of highest priority; return them sorted ascending, -1 padded."""
+    """Keep the `budget[b, h]` slots of highest priority (newest first among equal priorities, as in
+    `priority_order`, so that ties break the same way whatever the width of the batch); return them sorted
+    ascending, -1 padded."""
     b, h, t = priority.shape
     kmax = int(budget.max().clamp(max=t))
-    top = priority.topk(kmax, dim=-1).indices  # [B, H, K]
+    top = top_last(priority, kmax)  # [B, H, K]; not topk, whose tie-break depends on T and the device
     rank = torch.arange(kmax, device=priority.device)
     keep = rank[None, None, :] < budget[..., None].clamp(max=t)
     idx = torch.where(keep, top, torch.full_like(top, t))  # dropped -> sentinel t, sorts last

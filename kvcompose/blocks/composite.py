@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..scorers import Scorer
 from ..selectors import Selector, _kept_first, indices_from_priority, priority_order
+from ..kernels.ref import top_last
 from ..view import KVComposeError, LayerView
 from ._util import window_queries
 
@@ -136,7 +137,7 @@ class CompositeTokens(Selector):
         key = torch.where(protected | (rank < lo[..., None]), torch.full_like(key, 3e38), key)
         key = torch.where(valid, key, torch.full_like(key, -3.4e38)).reshape(b, h * t)
         n = int(total.max().clamp(max=h * t))
-        top = key.topk(n, dim=-1).indices  # [B, n]
+        top = top_last(key, n)  # [B, n]
         take = torch.arange(n, device=valid.device)[None, :] < total[:, None]
         head = torch.where(take, top // t, torch.full_like(top, h))
         cnt = torch.zeros(b, h + 1, dtype=torch.long, device=valid.device).scatter_add_(1, head, torch.ones_like(head))

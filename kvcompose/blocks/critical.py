@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..block import Block
 from ..scorers import Scorer
+from ..kernels.ref import top_last
 from ..view import KVComposeError, LayerView
 
 __all__ = ["OutputProjection", "CriticalKV"]
@@ -112,7 +113,7 @@ class CriticalKV(Scorer):
         top = None
         if view.cache_budget is not None and self.first_stage > 0:
             k = min(t, max(1, int(view.cache_budget * self.first_stage)))
-            top = s.masked_fill(~view.valid, float("-inf")).topk(k, dim=-1).indices
+            top = top_last(s.masked_fill(~view.valid, float("-inf")), k)
         out = (s + self.epsilon) * self.projection.value_norm(view.values, view.layer_idx)
         if top is not None:
             out = out.scatter(-1, top, torch.finfo(out.dtype).max)

@@ -18,6 +18,19 @@ from torch import Tensor
 NORM_EPS = 1e-12
 
 
+# --------------------------------------------------------------------------- top_last
+def top_last(key: Tensor, k: int) -> Tensor:
+    """Indices ([..., k]) of the ``k`` largest entries of ``key`` along the last dim, the latest index first
+    among equal keys.
+
+    ``torch.topk`` breaks ties in an undefined way that changes with the width of the row and the device, so a
+    left-padded row of a batch and the same row alone could keep different tokens of equal score (a repeated
+    token has the same value vector); a stable sort of the reversed row does not.
+    """
+    t = key.shape[-1]
+    return (t - 1) - torch.sort(key.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 # --------------------------------------------------------------------------- compact
 def compact(
     keys: Tensor,
