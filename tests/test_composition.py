@@ -191,6 +191,11 @@ def _check_cache(cache, pipe, budget, interval, rec, sinks, mask, seen):
 @given(pipes=pipelines(), alloc=st.sampled_from(sorted(ALLOCATORS)), tier=st.sampled_from(sorted(TIERS)),
        budget=st.integers(16, 24), interval=st.integers(3, 6), rows=st.integers(1, 2), pad=st.integers(1, 4),
        prompt=st.integers(8, 16), seed=st.integers(0, 3))
+# a repeated token has the same value vector (exact score ties): a padded row must break them as the row alone does
+@example(pipes=(Pipeline(ProtectSinks(1), ValueNorm(kind="range"), TopK()), 0, 1), alloc="duo", tier="evict",
+         budget=16, interval=3, rows=2, pad=1, prompt=9, seed=0)
+@example(pipes=(Pipeline(ProtectSinks(3), LagKV(sinks=2, lag=4), TopK()), 0, 3), alloc="pyramid", tier="evict",
+         budget=16, interval=6, rows=2, pad=3, prompt=9, seed=0)
 def test_plain_cache_product(pipes, alloc, tier, budget, interval, rows, pad, prompt, seed):
     _product_case(*pipes, alloc, tier, budget, interval, rows, pad, prompt, seed)
 
@@ -277,6 +282,9 @@ def test_tiers_without_eviction_are_bit_identical(pipes, alloc, rows, seed):
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pipes=pipelines(), alloc=st.sampled_from(["uniform", "heads"]), tier=st.sampled_from(["evict", "host"]),
        rows=st.integers(1, 2), seed=st.integers(0, 3), active=st.booleans())
+# HeadUtility's floor doubles what the protectors keep of a node: branch a must be long enough to compress
+@example(pipes=(Pipeline(ProtectRecent(4), ProtectPrompt(limit=4), RandomDrop()), 4, 0), alloc="heads", tier="evict",
+         rows=1, seed=0, active=False)
 def test_branch_cache_product(pipes, alloc, tier, rows, seed, active):
     """The tree cache takes the same pipelines (per-head budgets and tiers included) for its inactive nodes
     and, with `active_budget`, for the active path; exact rehydration gives back the branch it left."""
@@ -288,11 +296,15 @@ def test_branch_cache_product(pipes, alloc, tier, rows, seed, active):
         return BranchCache(MODEL, budget=40, keep=0.25, scorer=pipe, tier=TIERS[tier](),
                            active_budget=24 if active else None, interval=4, seed=seed)
 
-    def gen(cache, inp, m, n=16):  # branch a: 16 tokens, more than any pipeline here must keep of a node
+    cache = make()
+    # branch a: more tokens than the pipeline must keep of a node (HeadUtility's floor per head can double what the
+    # protectors keep), so that the budget can compress it
+    n_a = max(16, 4 + next(k for k in range(1, 41) if cache._fits(k)))
+
+    def gen(cache, inp, m, n=n_a):
         return MODEL.generate(input_ids=inp, attention_mask=m, past_key_values=cache, max_new_tokens=n,
                               min_new_tokens=n, do_sample=False)
 
-    cache = make()
     with torch.no_grad():
         MODEL(input_ids=ids, attention_mask=mask, past_key_values=cache)
     a, b = cache.fork(0), cache.fork(0)
