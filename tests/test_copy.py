@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvcompose import BranchCache, KVComposeCache, KVComposeError, Pipeline, Scorer, TopK, methods
 from kvcompose import attention as kv_attention
-from zoo import build, cases, decode, greedy, ids
+from zoo import PORTED, build, cases, decode, greedy, ids, variant
 
 from helpers import tree_model
 
@@ -56,7 +56,20 @@ def _same(a, b):
 @given(case=cases(), how=st.sampled_from(["deepcopy", "pickle", "torch.save"]), budget=st.integers(12, 16),
        interval=st.integers(2, 6), prompt=st.integers(2, 12), new=st.integers(0, 14), seed=st.integers(0, 3))
 def test_copy_then_continue_equals_original_then_continue(case, how, budget, interval, prompt, new, seed):
-    pipe = build(case)
+    _copy_case(build(case), how, budget, interval, prompt, new, seed)
+
+
+@pytest.mark.parametrize("name", sorted(PORTED))
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(store=st.sampled_from(["dense", "paged"]), tier=st.sampled_from(["evict", "host", "hierarchy"]),
+       how=st.sampled_from(["deepcopy", "pickle", "torch.save"]), budget=st.integers(12, 16),
+       interval=st.integers(2, 6), prompt=st.integers(2, 12), new=st.integers(0, 14), seed=st.integers(0, 3))
+def test_ported_presets_copy_then_continue(name, store, tier, how, budget, interval, prompt, new, seed):
+    """The same property for every preset ported from kvpress (`methods.PORTED`), on both stores and each tier."""
+    _copy_case(variant(PORTED[name](MODEL), store, tier), how, budget, interval, prompt, new, seed)
+
+
+def _copy_case(pipe, how, budget, interval, prompt, new, seed):
     try:
         cache = KVComposeCache(MODEL, pipe, budget=budget if pipe.compresses else None, interval=interval, seed=seed)
     except KVComposeError:

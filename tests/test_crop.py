@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvcompose import BranchCache, KVComposeCache, KVComposeError, methods
-from zoo import PRESETS, build, cases, decode, greedy, ids, variant
+from zoo import PORTED, PRESETS, build, cases, decode, greedy, ids, variant
 
 from helpers import tree_model
 
@@ -49,7 +49,20 @@ def _check_exact(cache, pipe, budget, interval, seq, prompt, end, seed=0, steps=
 @given(case=cases(), budget=st.integers(12, 16), interval=st.integers(2, 6), prompt=st.integers(2, 12),
        new=st.integers(6, 20), crop=st.one_of(st.integers(1, 8), st.integers(1, 32)), seed=st.integers(0, 3))
 def test_crop_then_continue_is_a_fresh_run_or_refused(case, budget, interval, prompt, new, crop, seed):
-    pipe = build(case)
+    _crop_case(build(case), budget, interval, prompt, new, crop, seed)
+
+
+@pytest.mark.parametrize("name", sorted(PORTED))
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(store=st.sampled_from(["dense", "paged"]), tier=st.sampled_from(["evict", "host", "hierarchy"]),
+       budget=st.integers(12, 16), interval=st.integers(2, 6), prompt=st.integers(2, 12), new=st.integers(6, 20),
+       crop=st.one_of(st.integers(1, 8), st.integers(1, 32)), seed=st.integers(0, 3))
+def test_ported_presets_crop_exact_or_refused(name, store, tier, budget, interval, prompt, new, crop, seed):
+    """The same property for every preset ported from kvpress (`methods.PORTED`), on both stores and each tier."""
+    _crop_case(variant(PORTED[name](MODEL), store, tier), budget, interval, prompt, new, crop, seed)
+
+
+def _crop_case(pipe, budget, interval, prompt, new, crop, seed):
     try:
         cache = _cache(pipe, budget, interval, seed)
     except KVComposeError:

@@ -15,7 +15,7 @@ from kvcompose import (
     KVComposeCache, KVComposeError, Pipeline, ProtectPrompt, ProtectRecent, ProtectSinks, ProtectValueNorm, methods,
 )
 from kvcompose.protectors import resolve_count
-from zoo import PRESETS, variant
+from zoo import PORTED, PRESETS, variant
 
 from helpers import random_view, tree_model
 
@@ -117,7 +117,20 @@ def _run(pipe, budget, interval, prompt, new, seed):
        store=st.sampled_from(["dense", "paged"]), budget=st.integers(4, 40), interval=st.integers(1, 32),
        prompt=st.integers(1, 40), new=st.integers(1, 60), seed=st.integers(0, 3))
 def test_protections_hold_or_the_constructor_refuses(name, tier, store, budget, interval, prompt, new, seed):
-    pipe = variant(CASES[name](), store, tier)
+    _protection_case(variant(CASES[name](), store, tier), budget, interval, prompt, new, seed)
+
+
+@pytest.mark.parametrize("name", sorted(PORTED))
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tier=st.sampled_from(["evict", "host", "hierarchy"]), store=st.sampled_from(["dense", "paged"]),
+       budget=st.integers(4, 40), interval=st.integers(1, 32), prompt=st.integers(1, 40), new=st.integers(1, 60),
+       seed=st.integers(0, 3))
+def test_ported_presets_protections_hold(name, tier, store, budget, interval, prompt, new, seed):
+    """The same property for every preset ported from kvpress (`methods.PORTED`), on both stores and each tier."""
+    _protection_case(variant(PORTED[name](MODEL), store, tier), budget, interval, prompt, new, seed)
+
+
+def _protection_case(pipe, budget, interval, prompt, new, seed):
     try:
         KVComposeCache(MODEL, pipe, budget=budget, interval=interval, seed=seed)
     except KVComposeError:

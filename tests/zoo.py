@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from kvcompose import BlockGranular, HeadUtility, HostTier, Hierarchy, CompressedTier, Pipeline, methods
+from kvcompose import BlockGranular, HeadUtility, HostTier, Hierarchy, CompressedTier, Pipeline, TopK, methods
+from kvcompose.blocks import ExpectedAttention, Rotary
 
 PRESETS = {
     "full": lambda: methods.full(),
@@ -27,6 +28,35 @@ PRESETS = {
     "growpage": lambda: methods.growpage(methods.rkv(window=2, kernel=3), page=4, window=4, initial=0.5),
 }
 """name -> a preset with windows small enough for budgets of 16-24 tokens (each one is in `methods.PRESETS`)."""
+
+def _expected(model, **kw) -> ExpectedAttention:
+    return ExpectedAttention(Rotary.from_model(model), window=4, future=16, sinks=2, **kw)
+
+
+_DUO = {"head_scores": [[0.9, 0.1], [0.2, 0.8]]}  # 2 layers x 2 KV heads: heads (0, 1) and (1, 0) stream
+_LUKV = {"prune": (torch.rand(99, 2, 2, generator=torch.Generator().manual_seed(0)) * 0.8).tolist()}
+
+PORTED = {
+    "keydiff": lambda model: methods.keydiff(),
+    "lagkv": lambda model: methods.lagkv(sinks=2, lag=4),
+    "cur": lambda model: methods.cur(sinks=2, window=4),
+    "leverage": lambda model: methods.leverage(model, sketch=8),
+    "noncausal_attention": lambda model: methods.noncausal_attention(chunk=8, window=8),
+    "compactor": lambda model: methods.compactor(model, sinks_start=2, sinks_end=2, chunk=8, window=8),
+    "expected_attention": lambda model: methods.expected_attention(model, window=4, future=16, sinks=2),
+    "cap": lambda model: methods.cap(model, window=4, future=16, sinks=2),
+    "criticalkv": lambda model: methods.criticalkv(model, inner=_expected(model)),
+    "cam": lambda model: methods.cam(methods.snapkv(window=4, kernel=3), window=4),
+    "merging": lambda model: methods.merging(methods.snapkv(window=4, kernel=3), fraction=0.5),
+    "chunkkv": lambda model: methods.chunkkv(methods.snapkv(window=4, kernel=3), chunk=4),
+    "kvcompose_paper": lambda model: methods.kvcompose_paper(window=4),
+    "kvcompose_paper_unstructured": lambda model: methods.kvcompose_paper(structured=False, window=4),
+    "duo_attention": lambda model: methods.duo_attention(_DUO, sinks=2),
+    "lukv": lambda model: methods.lukv(_LUKV, Pipeline(_expected(model, epsilon=2e-2), TopK()), sinks=2),
+    "adakv": lambda model: methods.adakv(methods.snapkv(window=4, kernel=3)),
+}
+"""name -> a preset ported from kvpress (`methods.PORTED`), scaled down like `PRESETS`, built from the tests'
+tiny model (2 layers, 2 KV heads)."""
 
 
 def variant(pipe: Pipeline, store: str, tier: str) -> Pipeline:
