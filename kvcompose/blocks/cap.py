@@ -11,9 +11,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from ..scorers import Scorer
-from ..view import KVComposeError, LayerView
-from ._util import first_real, sink_end, group_mean, protect_top, window_queries
-from .expected_attention import query_statistics
+from ..view import LayerView
+from ._util import group_mean, protect_top
+from .expected_attention import check_future_args, future_queries
 from .rotary import Rotary
 
 __all__ = ["CAP"]
@@ -40,13 +40,7 @@ class CAP(Scorer):
 
     def __init__(self, rope: Rotary, tau: float = 5.0, window: int | None = 64, future: int = 512, sinks: int = 4,
                  epsilon: float = 1e-6):
-        if not isinstance(rope, Rotary):
-            raise KVComposeError("CAP needs the model's rotary embedding: Rotary.from_model(model)")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
-            raise KVComposeError(f"CAP: window must be a positive int or None, got {window!r}")
-        for name, v, lo in (("future", future, 1), ("sinks", sinks, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise KVComposeError(f"CAP: {name} must be an int >= {lo}, got {v!r}")
+        check_future_args("CAP", rope, window, future, sinks)
         self.rope, self.tau, self.window, self.future, self.sinks = rope, float(tau), window, future, sinks
         self.epsilon = float(epsilon)
 
@@ -55,15 +49,12 @@ class CAP(Scorer):
         return self.window or 0
 
     def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
-        got = window_queries(view, self.window)
-        sink = first_real(view.valid, self.sinks)
-        if got is None:
+        sink, stats = future_queries(view, self.rope, self.window, self.sinks, self.future, covariance=False)
+        if stats is None:
             return protect_top(torch.zeros(view.shape, device=view.device), sink, view.valid)
-        q, qpos, qok = got
-        qok = qok & (qpos[None, :] >= sink_end(view, self.sinks))
-        anchor, _ = query_statistics(q, qpos, qok, self.rope, view.seen, self.future, covariance=False)
+        anchor = stats[0]
         b, h, t, d = view.keys.shape
-        g = q.shape[1] // h
+        g = anchor.shape[1] // h
         rep = lambda x: x[:, :, None].expand(b, h, g, t, x.shape[-1]).reshape(b, h * g, t, x.shape[-1])  # noqa: E731
         keys, values = rep(view.keys.float()), rep(view.values.float())
         cand = (view.valid & ~sink)[:, :, None].expand(b, h, g, t).reshape(b, h * g, t)

@@ -15,7 +15,7 @@ from ..view import KVComposeError, LayerView
 from ._util import first_real, sink_end, group_mean, protect_top, window_queries
 from .rotary import Rotary
 
-__all__ = ["ExpectedAttention", "query_statistics"]
+__all__ = ["ExpectedAttention", "query_statistics", "future_queries", "check_future_args"]
 
 
 def query_statistics(queries: Float[Tensor, "B Hq W D"], positions: Int[Tensor, " W"], ok: Bool[Tensor, "B W"],
@@ -36,6 +36,31 @@ def query_statistics(queries: Float[Tensor, "B Hq W D"], positions: Int[Tensor, 
     if cov is not None:
         cov = r @ cov @ r.T
     return mu, cov
+
+
+def check_future_args(who: str, rope: Rotary, window: int | None, future: int, sinks: int) -> None:
+    """The arguments every scorer of future queries takes (ExpectedAttention, CAP), checked with `who` named."""
+    if not isinstance(rope, Rotary):
+        raise KVComposeError(f"{who} needs the model's rotary embedding: Rotary.from_model(model)")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise KVComposeError(f"{who}: window must be a positive int or None, got {window!r}")
+    for name, v, lo in (("future", future, 1), ("sinks", sinks, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise KVComposeError(f"{who}: {name} must be an int >= {lo}, got {v!r}")
+
+
+def future_queries(view: LayerView, rope: Rotary, window: int | None, sinks: int, future: int, covariance: bool
+                   ) -> tuple[Bool[Tensor, "B H T"], tuple[Float[Tensor, "B Hq D"], Float[Tensor, "B Hq D D"] | None] | None]:
+    """`(sink, stats)`: the first `sinks` real tokens of each row, and `query_statistics` of the last `window`
+    buffered queries (those at sink positions left out) for the `future` positions after the tokens seen, or
+    None when no query is buffered."""
+    got = window_queries(view, window)
+    sink = first_real(view.valid, sinks)
+    if got is None:
+        return sink, None
+    q, qpos, qok = got
+    qok = qok & (qpos[None, :] >= sink_end(view, sinks))
+    return sink, query_statistics(q, qpos, qok, rope, view.seen, future, covariance)
 
 
 class ExpectedAttention(Scorer):
@@ -64,13 +89,7 @@ class ExpectedAttention(Scorer):
 
     def __init__(self, rope: Rotary, window: int | None = 64, future: int = 512, sinks: int = 4,
                  covariance: bool = True, value_norm: bool = True, epsilon: float = 0.0):
-        if not isinstance(rope, Rotary):
-            raise KVComposeError("ExpectedAttention needs the model's rotary embedding: Rotary.from_model(model)")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
-            raise KVComposeError(f"ExpectedAttention: window must be a positive int or None, got {window!r}")
-        for name, v, lo in (("future", future, 1), ("sinks", sinks, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise KVComposeError(f"ExpectedAttention: {name} must be an int >= {lo}, got {v!r}")
+        check_future_args("ExpectedAttention", rope, window, future, sinks)
         self.rope, self.window, self.future, self.sinks = rope, window, future, sinks
         self.covariance, self.value_norm, self.epsilon = bool(covariance), bool(value_norm), float(epsilon)
 
@@ -79,15 +98,12 @@ class ExpectedAttention(Scorer):
         return self.window or 0
 
     def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
-        got = window_queries(view, self.window)
-        sink = first_real(view.valid, self.sinks)
-        if got is None:
+        sink, stats = future_queries(view, self.rope, self.window, self.sinks, self.future, self.covariance)
+        if stats is None:
             return protect_top(torch.zeros(view.shape, device=view.device), sink, view.valid)
-        q, qpos, qok = got
-        qok = qok & (qpos[None, :] >= sink_end(view, self.sinks))
-        mu, cov = query_statistics(q, qpos, qok, self.rope, view.seen, self.future, self.covariance)
+        mu, cov = stats
         b, h, t, d = view.keys.shape
-        g = q.shape[1] // h
+        g = mu.shape[1] // h
         keys = view.keys.float()
         kk = keys[:, :, None].expand(b, h, g, t, d).reshape(b, h * g, t, d)
         logits = torch.einsum("bhtd,bhd->bht", kk, mu) * view.scale
