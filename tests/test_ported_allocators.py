@@ -88,7 +88,7 @@ def test_head_curves_allocate():
     assert alloc.keep_counts(0, 25, 20).tolist() == [20, 20]  # nothing to prune yet
     with pytest.raises(KVComposeError, match=r"\[99, layers"):
         HeadCurves({"prune": [[[0.5]]]})
-    with pytest.raises(KVComposeError, match="calibrate them on this model"):
+    with pytest.raises(KVComposeError, match="calibrate it on this model"):
         KVComposeCache(tiny_model("llama", layers=2), methods.lukv(curves.tolist(), base=methods.keydiff()), budget=16)
 
 

@@ -10,13 +10,19 @@ Shapes: B batch rows, H KV heads, Hq query heads, G = Hq / H, T held slots, W bu
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+from typing import Any
+
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from ..view import LayerView
+from ..view import KVComposeError, LayerView
 
-__all__ = ["sink_end", "real_rank", "first_real", "last_real", "protect_top", "window_queries", "group_mean", "row_zscore"]
+__all__ = ["sink_end", "real_rank", "first_real", "last_real", "protect_top", "window_queries", "group_mean", "row_zscore",
+           "read_profile", "check_page_size", "check_head_table"]
 
 
 def real_rank(valid: Bool[Tensor, "B H T"]) -> Int[Tensor, "B H T"]:
@@ -78,3 +84,32 @@ def sink_end(view: LayerView, sinks: int) -> Int[Tensor, "B 1"]:
     heads) plus `sinks`. Queries before it are the sinks' own (kvpress drops them from its query statistics)."""
     pos = torch.where(view.valid, view.positions, torch.full_like(view.positions, torch.iinfo(view.positions.dtype).max))
     return pos.amin((1, 2))[:, None] + sinks
+
+
+# ------------------------------------------------------------------------ per-head tables (DuoHeads, HeadCurves)
+def read_profile(who: str, source: str | os.PathLike | Any, target: str) -> tuple[Any, str | None]:
+    """`(data, path)`: the JSON in file `source` (with the `kvcompose calibrate --target <target>` that writes one
+    named when it is missing), or `source` itself when it is not a path (path None)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return source, None
+    p = Path(source)
+    if not p.is_file():
+        raise KVComposeError(f"{who}: profile file {str(p)!r} not found; write one with "
+                             f"`kvcompose calibrate --target {target} --out FILE`")
+    try:
+        return json.loads(p.read_text()), str(p)
+    except json.JSONDecodeError as e:
+        raise KVComposeError(f"{who}: {p} is not valid JSON ({e})") from None
+
+
+def check_page_size(who: str, page_size: Any) -> None:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        raise KVComposeError(f"{who}: bad page size {page_size!r}: a positive int")
+
+
+def check_head_table(who: str, shape: tuple[int, ...], num_layers: int, num_heads: int, target: str) -> None:
+    """A calibrated `(layers, KV heads)` table must match the model it is used on."""
+    if tuple(shape) != (num_layers, num_heads):
+        raise KVComposeError(f"{who}: the profile has {tuple(shape)} (layers, KV heads), the model "
+                             f"{(num_layers, num_heads)}: calibrate it on this model (`kvcompose calibrate --target "
+                             f"{target}`)")

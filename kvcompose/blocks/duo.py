@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..allocators import Allocator
 from ..view import FAR_POSITION, KVComposeError, LayerView
+from ._util import check_head_table, check_page_size, read_profile
 
 __all__ = ["DuoHeads", "DUO_KIND", "load_duo_profile", "streaming_mask"]
 
@@ -26,17 +27,7 @@ DUO_KIND = "kvcompose.duo_heads"
 def load_duo_profile(profile: str | os.PathLike | dict) -> dict[str, Any]:
     """A head-type profile: a dict or the JSON written by `kvcompose calibrate --target duo`, with `head_scores`
     (`[layers][KV heads]`, higher = more of a retrieval head) and the `sinks` / `recent` it was measured for."""
-    if isinstance(profile, dict):
-        data = profile
-    else:
-        p = Path(profile)
-        if not p.is_file():
-            raise KVComposeError(f"DuoHeads: profile file {str(p)!r} not found; write one with "
-                                 "`kvcompose calibrate --target duo --out FILE`")
-        try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise KVComposeError(f"DuoHeads: {p} is not valid JSON ({e})") from None
+    data, _ = read_profile("DuoHeads", profile, "duo")
     scores = data.get("head_scores") if isinstance(data, dict) else None
     if (not isinstance(scores, list) or not scores or not all(isinstance(r, list) and r for r in scores)
             or len({len(r) for r in scores}) != 1):
@@ -83,8 +74,7 @@ class DuoHeads(Allocator):
             raise KVComposeError(f"DuoHeads: streaming must be a share in [0, 1], got {streaming!r}")
         if retrieval is not None and (isinstance(retrieval, bool) or not isinstance(retrieval, int) or retrieval <= 0):
             raise KVComposeError(f"DuoHeads: retrieval must be a positive int or None, got {retrieval!r}")
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise KVComposeError(f"DuoHeads: bad page size {page_size!r}: a positive int")
+        check_page_size("DuoHeads", page_size)
         self.profile = load_duo_profile(profile)
         self.streaming, self.retrieval, self.page_size = float(streaming), retrieval, page_size
         self.mask = streaming_mask(self.profile["head_scores"], self.streaming)  # [L, H]
@@ -104,9 +94,7 @@ class DuoHeads(Allocator):
         return DuoHeads(prof, streaming=streaming, **kw)
 
     def check(self, pipeline: Any, budget: int | None, num_layers: int, num_heads: int) -> None:
-        if tuple(self.mask.shape) != (num_layers, num_heads):
-            raise KVComposeError(f"DuoHeads: the profile has {tuple(self.mask.shape)} (layers, KV heads), the model "
-                                 f"{(num_layers, num_heads)}: calibrate it on this model (`kvcompose calibrate --target duo`)")
+        check_head_table("DuoHeads", tuple(self.mask.shape), num_layers, num_heads, "duo")
         super().check(pipeline, budget, num_layers, num_heads)
 
     def heads(self, layer: int) -> Bool[Tensor, " H"]:

@@ -6,9 +6,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +15,7 @@ from torch import Tensor
 
 from ..allocators import Allocator
 from ..view import FAR_POSITION, KVComposeError, LayerView
+from ._util import check_head_table, check_page_size, read_profile
 
 __all__ = ["HeadCurves", "CURVES_KIND", "head_keep_counts"]
 
@@ -64,17 +63,7 @@ class HeadCurves(Allocator):
     uniform = False
 
     def __init__(self, curves: str | os.PathLike | dict | Any, floor: int = 1, page_size: int = 16):
-        self.path = None
-        if isinstance(curves, (str, os.PathLike)):
-            p = Path(curves)
-            if not p.is_file():
-                raise KVComposeError(f"HeadCurves: curve file {str(p)!r} not found; write one with "
-                                     "`kvcompose calibrate --target lukv --out FILE`")
-            try:
-                curves = json.loads(p.read_text())
-            except json.JSONDecodeError as e:
-                raise KVComposeError(f"HeadCurves: {p} is not valid JSON ({e})") from None
-            self.path = str(p)
+        curves, self.path = read_profile("HeadCurves", curves, "lukv")
         data = curves.get("prune") if isinstance(curves, dict) else curves
         try:
             t = torch.as_tensor(data, dtype=torch.float32, device="cpu")
@@ -83,16 +72,13 @@ class HeadCurves(Allocator):
         if t.dim() != 3 or t.shape[0] != 99 or not bool(torch.isfinite(t).all()) or bool(((t < 0) | (t > 1)).any()):
             raise KVComposeError(f"HeadCurves: curves must be a [99, layers, KV heads] array of shares in [0, 1], "
                                  f"got shape {tuple(t.shape)}")
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-            raise KVComposeError(f"HeadCurves: bad page size {page_size!r}: a positive int")
+        check_page_size("HeadCurves", page_size)
         if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1:
             raise KVComposeError(f"HeadCurves: floor must be a positive int, got {floor!r}")
         self.prune, self.page_size, self.floor = t, page_size, floor
 
     def check(self, pipeline: Any, budget: int | None, num_layers: int, num_heads: int) -> None:
-        if tuple(self.prune.shape[1:]) != (num_layers, num_heads):
-            raise KVComposeError(f"HeadCurves: the curves have {tuple(self.prune.shape[1:])} (layers, KV heads), the "
-                                 f"model {(num_layers, num_heads)}: calibrate them on this model")
+        check_head_table("HeadCurves", tuple(self.prune.shape[1:]), num_layers, num_heads, "lukv")
         super().check(pipeline, budget, num_layers, num_heads)
         if budget is not None and pipeline.fixed_protection(budget) > self.floor:
             raise KVComposeError(f"HeadCurves: a head may keep only floor={self.floor} tokens, fewer than the "
