@@ -434,9 +434,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from .view import KVComposeError
 
-    # a missing optional dependency is named first, whatever else is wrong with the arguments
+    # a missing optional dependency is named first, whatever else is wrong with the arguments (--help still helps)
     early = " ".join(argv[:2]) if argv[:1] == ["bench"] else " ".join(argv[:1])
-    for module in NEEDS.get(early, ()):
+    asks_help = "-h" in argv or "--help" in argv
+    for module in () if asks_help else NEEDS.get(early, ()):
         if importlib.util.find_spec(module) is None:
             print(_needs_extra(early, module), file=sys.stderr)
             return 2

@@ -91,6 +91,17 @@ def test_a_missing_optional_dependency_is_one_line_and_exit_2(argv, module, extr
     assert len(err.splitlines()) == 1 and module in err and f"pip install 'kvcompose[{extra}]'" in err, err
 
 
+@pytest.mark.parametrize("command", ["fidelity", "speed", "throughput", "report", "accuracy"])
+def test_help_needs_no_optional_dependency(command, monkeypatch, capsys):
+    """`kvcompose bench X --help` answers (exit 0) when the extras X needs are missing (.ci/wheel_check)."""
+    real = importlib.util.find_spec
+    missing = {"matplotlib", "math_verify", "datasets", "lm_eval"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    with pytest.raises(SystemExit) as e:  # argparse's --help exits, as the script does
+        cli.main(["bench", command, "--help"])
+    assert e.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
 def test_an_optional_import_failing_on_the_way_names_its_extra(monkeypatch, capsys):
     from kvcompose.bench import run as bench_run
 
