@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ def _configs(suite: str, budgets: list[int], methods: list[str]) -> list[dict[st
 
 
 def _prompts(model: str, data: str | None, n: int) -> tuple[list[list[int]], list[str | None]]:
+    from kvcompose.bench.metrics import gsm8k_answer
     from transformers import AutoTokenizer
 
     path = data or os.environ.get("KVCOMPOSE_GSM8K")
@@ -63,16 +63,9 @@ def _prompts(model: str, data: str | None, n: int) -> tuple[list[list[int]], lis
                                        tokenize=False)
         ids.append(tok(text, add_special_tokens=False)["input_ids"])
         ans = r.get("answer") or ""
-        gold.append(_last_number(ans.split("####")[-1]) if "####" in ans else None)
+        gold.append(gsm8k_answer(ans))
     return ids, gold
 
-
-def _last_number(text: str) -> str | None:
-    m = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    if not m:
-        return None
-    x = m[-1].replace(",", "")
-    return x.rstrip("0").rstrip(".") if "." in x else x
 
 
 def _pool(prompts: list[list[int]], new_tokens: int, full_requests: int | None) -> int:
@@ -84,6 +77,7 @@ def _pool(prompts: list[list[int]], new_tokens: int, full_requests: int | None) 
 
 def run_suite(args, suite: str) -> dict[str, Any]:
     """One engine, the suite's batches one after the other (in this process)."""
+    from kvcompose.bench.metrics import norm_number
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -122,7 +116,7 @@ def run_suite(args, suite: str) -> dict[str, Any]:
         gen = sum(len(t) for t in ids)
         run = {**cfg, "suite": suite, "interval": args.interval if cfg["budget"] else None, "seconds": secs,
                "generated_tokens": gen, "tokens_per_s": gen / secs, "token_ids": ids,
-               "answers": [_last_number(t) for t in texts], "stats": stats, "loadavg_before": load0,
+               "answers": [norm_number(t) for t in texts], "stats": stats, "loadavg_before": load0,
                "loadavg_after": os.getloadavg()}
         runs.append(run)
         print(json.dumps({k: run[k] for k in ("name", "tokens_per_s", "seconds", "loadavg_after")}), flush=True)

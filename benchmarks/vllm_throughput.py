@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import sys
 import time
 from typing import Any
@@ -56,14 +55,6 @@ def _questions(path: str | None, n: int, offset: int) -> list[dict[str, Any]]:
                         "answer": rec.get("answer")})
     return out
 
-
-def _last_number(text: str) -> str | None:
-    """The last number of a text (commas removed, trailing zeros of decimals dropped), as GSM8K graders read."""
-    m = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    if not m:
-        return None
-    x = m[-1].replace(",", "")
-    return x.rstrip("0").rstrip(".") if "." in x else x
 
 
 def _prompt_ids(tokenizer, questions: list[str]) -> list[list[int]]:
@@ -146,6 +137,7 @@ def run_hf(args, prompts: list[list[int]], tokenizer) -> dict[str, Any]:
 
 def _gold(ids: list[str], data: str | None) -> list[str | None]:
     """GSM8K's answers (the number after `####`) for ids `<file stem>-<line>`, or [] without the file."""
+    from kvcompose.bench.metrics import gsm8k_answer
     path = data or os.environ.get("KVCOMPOSE_GSM8K")
     if not ids or not path or not os.path.exists(path):
         return []
@@ -154,13 +146,14 @@ def _gold(ids: list[str], data: str | None) -> list[str | None]:
     out = []
     for i in ids:
         ans = json.loads(lines[int(i.rsplit("-", 1)[1])]).get("answer") or ""
-        out.append(_last_number(ans.split("####")[-1]) if "####" in ans else None)
+        out.append(gsm8k_answer(ans))
     return out
 
 
 def compare(a_path: str, b_path: str, data: str | None = None, events: str | None = None) -> dict[str, Any]:
     """Token and answer agreement of run B against reference run A (same prompts), and both runs' GSM8K
     accuracy when the questions file is at hand (`--data` or `$KVCOMPOSE_GSM8K`)."""
+    from kvcompose.bench.metrics import norm_number
     with open(a_path) as fa, open(b_path) as fb:
         a, b = json.load(fa), json.load(fb)
     rows = []
@@ -169,7 +162,7 @@ def compare(a_path: str, b_path: str, data: str | None = None, events: str | Non
         first = next((i for i in range(n) if ta[i] != tb[i]), n)
         same = sum(int(ta[i] == tb[i]) for i in range(n))
         rows.append({"first_divergence": first, "same_token_frac": same / max(n, 1),
-                     "answer_a": _last_number(xa), "answer_b": _last_number(xb)})
+                     "answer_a": norm_number(xa), "answer_b": norm_number(xb)})
     gold = _gold(a.get("ids", []), data)
     for r, g in zip(rows, gold):
         r["gold"] = g

@@ -178,15 +178,9 @@ def _cache(model, pipe, **kw):
 
 
 # ------------------------------------------------------------------------------------------ (b) host syncs
-@pytest.mark.parametrize("name, store, tier", _combos())
-def test_no_host_sync_on_ordinary_decode_steps(name, store, tier):
-    """Zero host syncs from kvcompose on every decode step without a compression event (and without a padding
-    mask); events may sync, and are counted. Fails on the old core (9 syncs per layer in the paged store,
-    GrowPage's `bool(rows.any())`, the prefetcher's width)."""
-    model = _model()
-    cache = _cache(model, _pipeline(name, store, tier))
-    ids = _ids(PROMPT + STEPS)
-    counts = []
+def _step_counter(cache, counts: list):
+    """A context manager class for `_decode(each=...)`: counts the host syncs of each step into `counts` as
+    `(syncs, whether the step ran a compression event, where they came from)`."""
 
     class Step:
         def __init__(self, t):
@@ -200,7 +194,19 @@ def test_no_host_sync_on_ordinary_decode_steps(name, store, tier):
             self.mode.__exit__(*exc)
             counts.append((self.mode.count, cache.stats.compress_calls > self.events, self.mode.where))
 
-    _decode(model, cache, ids, STEPS, each=Step)
+    return Step
+
+
+@pytest.mark.parametrize("name, store, tier", _combos())
+def test_no_host_sync_on_ordinary_decode_steps(name, store, tier):
+    """Zero host syncs from kvcompose on every decode step without a compression event (and without a padding
+    mask); events may sync, and are counted. Fails on the old core (9 syncs per layer in the paged store,
+    GrowPage's `bool(rows.any())`, the prefetcher's width)."""
+    model = _model()
+    cache = _cache(model, _pipeline(name, store, tier))
+    ids = _ids(PROMPT + STEPS)
+    counts = []
+    _decode(model, cache, ids, STEPS, each=_step_counter(cache, counts))
     ordinary = [(c, w) for c, ev, w in counts if not ev]
     events = [c for c, ev, _ in counts if ev]
     assert ordinary, "every step ran an event: the test would prove nothing"
@@ -219,21 +225,8 @@ def test_a_padding_mask_costs_one_sync_per_forward(name, store, tier):
     model = _model()
     cache = _cache(model, _pipeline(name, store, tier))
     counts = []
-
-    class Step:
-        def __init__(self, t):
-            self.mode = HostSyncs()
-            self.events = cache.stats.compress_calls
-
-        def __enter__(self):
-            self.mode.__enter__()
-
-        def __exit__(self, *exc):
-            self.mode.__exit__(*exc)
-            counts.append((self.mode.count, cache.stats.compress_calls > self.events))
-
-    _decode(model, cache, _ids(PROMPT + 24), 24, mask=True, each=Step)
-    ordinary = [c for c, ev in counts if not ev]
+    _decode(model, cache, _ids(PROMPT + 24), 24, mask=True, each=_step_counter(cache, counts))
+    ordinary = [c for c, ev, _ in counts if not ev]
     assert ordinary and all(c == 1 for c in ordinary), ordinary
 
 
