@@ -39,7 +39,6 @@ from torch import Tensor
 from .allocators import Uniform
 from .block import require_role
 from .compat import forward_cache
-from .kernels import value_magnitude
 from .kernels.ref import sums_by_index
 from .pipeline import Pipeline
 from .protectors import ProtectValueNorm, resolve_count
@@ -88,14 +87,8 @@ class BlockProtectValueNorm(ProtectValueNorm):
 
     def block_values(self, view: LayerView) -> tuple[Float[Tensor, "B H NB"], Int[Tensor, "B H T"]]:
         """`(value of every block [B, H, NB] (-inf: no eligible token), block id of every slot [B, H, T])`."""
-        mag = value_magnitude(view.values, self.kind)  # [B, H, T]
-        valid = view.valid
-        rank = torch.argsort(torch.argsort(view.positions.masked_fill(~valid, 2**62), dim=-1), dim=-1)
-        mag = mag.masked_fill((rank < self.sinks) & valid, float("inf"))
-        eligible = valid
-        if self.exclude_recent:
-            eligible = eligible & (view.positions < view.seen - self.exclude_recent)
-        blk = _block_ids(view.positions, valid, self.block)
+        mag, eligible = self.magnitudes(view)  # [B, H, T] each
+        blk = _block_ids(view.positions, view.valid, self.block)
         nb = int(blk.max()) + 1 if blk.numel() else 1
         val = torch.full((*blk.shape[:2], nb), float("-inf"), device=mag.device, dtype=mag.dtype).scatter_reduce_(
             -1, blk, mag.masked_fill(~eligible, float("-inf")), "amax")  # [B, H, NB]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from jaxtyping import Bool
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from .block import Block
@@ -196,7 +196,9 @@ class ProtectValueNorm(Protector):
     def max_count(self, budget: int) -> int:
         return max(resolve_count(self.k, budget), self.sinks)
 
-    def protect(self, view, budget, room):
+    def magnitudes(self, view: LayerView) -> tuple[Float[Tensor, "B H T"], Bool[Tensor, "B H T"]]:
+        """`(magnitude of every slot, the first `sinks` real tokens at +inf; the candidate slots)`: real tokens
+        older than the `exclude_recent` newest."""
         mag = value_magnitude(view.values, self.kind)
         valid = view.valid
         rank = torch.argsort(torch.argsort(view.positions.masked_fill(~valid, 2**62), dim=-1), dim=-1)
@@ -204,4 +206,8 @@ class ProtectValueNorm(Protector):
         eligible = valid
         if self.exclude_recent:
             eligible = eligible & (view.positions < view.seen - self.exclude_recent)
+        return mag, eligible
+
+    def protect(self, view, budget, room):
+        mag, eligible = self.magnitudes(view)
         return _rank_mask(mag, self.max_count(budget), eligible)
