@@ -151,7 +151,22 @@ def test_kept_sets_match_kvpress(model, name, ratio):
     block, press, t, _, random = CASES[name]
     pre = Prefill(model, t, seed=1)
     budget = int(t * (1 - ratio))
-    assert _ours_kept(block(model), pre, budget, seed=5) == pre.press_kept(press(), ratio, seed=5 if random else None)
+    ours = _ours_kept(block(model), pre, budget, seed=5)
+    theirs = pre.press_kept(press(), ratio, seed=5 if random else None)
+    _same_top_k(ours, theirs, block(model)(pre.view(budget, seed=5)))
+
+
+def _same_top_k(ours: list[list[int]], theirs: list[list[int]], scores: torch.Tensor) -> None:
+    """The same kept set per head, or sets that differ only among tokens of equal score: kvpress takes
+    `torch.topk`, whose order among equal scores is undefined (it changes with the width of the row), while
+    kvcompose keeps the newest of them (the same tokens for a left-padded row as for the row alone). The kept
+    scores must then be the same multiset (up to float rounding)."""
+    for h, (a, b) in enumerate(zip(ours, theirs)):
+        if a == b:
+            continue
+        assert len(a) == len(b), (h, a, b)
+        sa, sb = scores[0, h, a].float().sort().values, scores[0, h, b].float().sort().values
+        torch.testing.assert_close(sa, sb, rtol=1e-6, atol=0.0, msg=lambda m: f"head {h}: {a} != {b}: {m}")
 
 
 def test_criticalkv_matches_kvpress(model):
