@@ -81,3 +81,39 @@ def test_preset_and_block_options_switched_off_warn():
     _silent(lambda: (methods.memory_hierarchy(0.5, 0.2, bits=4), methods.vase(query_free=True, rank=8),
                      methods.reason_alloc(profile={"demand": [1.0, 2.0]}, layer_floor=0.5),
                      Pipeline(KeyNorm(), TopK(), interval=8), ProtectPrompt(sinks=2), ProjectedNorm(seed=3)))
+
+
+_DUO = {"head_scores": [[0.9, 0.1], [0.2, 0.8]]}
+_LUKV = {"prune": [[[0.5, 0.5], [0.5, 0.5]]] * 99}
+
+
+def test_ported_preset_arguments_without_effect_warn():
+    from kvcompose.blocks import CompositeTokens, DuoHeads, OutputProjection, Rotary
+
+    rope = Rotary.from_model(MODEL)
+    for name in ("keydiff", "lagkv", "cur", "noncausal_attention", "kvcompose_paper", "cam", "merging", "chunkkv",
+                 "adakv"):
+        _warns(f"{name}\\(model=...\\) has no effect", lambda: getattr(methods, name)(model=MODEL))
+    _warns("duo_attention\\(model=...\\) has no effect", lambda: methods.duo_attention(_DUO, model=MODEL))
+    _warns("expected_attention\\(model=...\\) has no effect: rope= is given",
+           lambda: methods.expected_attention(MODEL, rope=rope))
+    _warns("lukv\\(model=...\\) has no effect: base= is given",
+           lambda: methods.lukv(_LUKV, base=methods.snapkv(), model=MODEL))
+    _warns("criticalkv\\(model=...\\) has no effect", lambda: methods.criticalkv(
+        MODEL, inner=KeyNorm(), projection=OutputProjection.from_model(MODEL)))
+    _warns("CompositeTokens\\(floor=2\\) has no effect: structured=True", lambda: CompositeTokens(floor=2))
+    _warns("CompositeTokens\\(floor=2\\) has no effect", lambda: methods.kvcompose_paper(floor=2))
+    _warns("DuoHeads\\(retrieval=8\\) has no effect: streaming=1", lambda: DuoHeads(_DUO, streaming=1.0, retrieval=8))
+
+
+def test_ported_presets_are_silent_where_every_argument_counts():
+    from kvcompose.blocks import CompositeTokens, DuoHeads
+
+    need = {"duo_attention": {"profile": _DUO}, "lukv": {"curves": _LUKV}}
+    # methods.preset passes the model only where the rule reads it: one call builds any ported preset, silently
+    _silent(lambda: [methods.preset(name, model=MODEL, **need.get(name, {})) for name in methods.PORTED])
+    _silent(lambda: [methods.preset(name, **need.get(name, {})) for name in methods.PORTED
+                     if name not in methods.NEEDS_MODEL])
+    _silent(lambda: (methods.kvcompose_paper(structured=False, floor=2), CompositeTokens(structured=False, floor=0.2),
+                     DuoHeads(_DUO, streaming=0.5, retrieval=8), methods.lukv(_LUKV, model=MODEL),
+                     methods.expected_attention(MODEL), methods.criticalkv(MODEL)))

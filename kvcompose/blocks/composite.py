@@ -15,7 +15,7 @@ from torch import Tensor
 from ..scorers import Scorer
 from ..selectors import Selector, _kept_first, indices_from_priority, priority_order
 from ..kernels.ref import top_last
-from ..view import KVComposeError, LayerView
+from ..view import KVComposeError, LayerView, warn_unused
 from ._util import window_queries
 
 __all__ = ["CompositeTokens", "AggregatedAttention"]
@@ -111,6 +111,9 @@ class CompositeTokens(Selector):
                 or (isinstance(floor, float) and floor > 1)):
             raise KVComposeError(f"CompositeTokens: floor must be an int >= 0 or a share in [0, 1], got {floor!r}")
         self.structured, self.floor = bool(structured), floor
+        if self.structured and floor:
+            warn_unused(f"CompositeTokens(floor={floor})", "structured=True keeps the same count in every head "
+                        "(the floor is for the unstructured variant)")
         self.ragged = not self.structured
 
     def priority(self, scores, valid, generator):

@@ -16,7 +16,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from ..allocators import Allocator
-from ..view import FAR_POSITION, KVComposeError, LayerView
+from ..view import FAR_POSITION, KVComposeError, LayerView, warn_unused
 from ._util import check_head_table, check_page_size, read_profile
 
 __all__ = ["DuoHeads", "DUO_KIND", "load_duo_profile", "streaming_mask"]
@@ -78,6 +78,8 @@ class DuoHeads(Allocator):
         self.profile = load_duo_profile(profile)
         self.streaming, self.retrieval, self.page_size = float(streaming), retrieval, page_size
         self.mask = streaming_mask(self.profile["head_scores"], self.streaming)  # [L, H]
+        if retrieval is not None and bool(self.mask.all()):
+            warn_unused(f"DuoHeads(retrieval={retrieval})", f"streaming={streaming:g} makes every head a streaming head")
         self.path = None if isinstance(profile, dict) else str(profile)
 
     @staticmethod

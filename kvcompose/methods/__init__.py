@@ -37,8 +37,8 @@ PRESETS = {
 
 
 def preset(name: str, model=None, **kwargs):
-    """A preset by name: one of `PRESETS`, or one ported from kvpress (`PORTED`, built with `model=`; the ones in
-    `NEEDS_MODEL` require it). Keyword arguments go to the preset.
+    """A preset by name: one of `PRESETS`, or one ported from kvpress (`PORTED`; `model=` goes to the ones in
+    `NEEDS_MODEL`, which require it, and is dropped for the others). Keyword arguments go to the preset.
 
     Example:
         >>> methods.preset("keydiff")
@@ -49,5 +49,6 @@ def preset(name: str, model=None, **kwargs):
     if name in PRESETS:
         return PRESETS[name](**kwargs)
     if name in PORTED:
-        return PORTED[name](model=model, **kwargs)
+        # one call builds any of them: the model goes to the presets whose rule can read it
+        return PORTED[name](**({"model": model} if name in NEEDS_MODEL else {}), **kwargs)
     raise KVComposeError(f"unknown preset {name!r}; presets: {', '.join([*PRESETS, *PORTED])}")

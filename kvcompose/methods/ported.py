@@ -25,16 +25,23 @@ from .baselines import h2o, snapkv
 from ..pipeline import Pipeline
 from ..scorers import Scorer
 from ..selectors import TopK
-from ..view import KVComposeError
+from ..view import KVComposeError, warn_unused
 
 __all__ = ["keydiff", "lagkv", "cur", "leverage", "noncausal_attention", "compactor", "expected_attention", "cap",
            "criticalkv", "with_merger", "cam", "merging", "chunkkv", "kvcompose_paper", "duo_attention", "lukv", "adakv", "PORTED", "NEEDS_MODEL", "NEEDS_PROFILE"]
+
+
+def _unread(model: Any, who: str, why: str) -> None:
+    """Warn that `model=` has no effect on the preset `who` (`methods.preset` passes it only where it is read)."""
+    if model is not None:
+        warn_unused(f"{who}(model=...)", why, stacklevel=4)
 
 
 def _rope(model: Any, rope: Rotary | None, who: str) -> Rotary:
     if rope is not None:
         if not isinstance(rope, Rotary):
             raise KVComposeError(f"{who}: rope must be a kvcompose.blocks.Rotary, got {type(rope).__name__}")
+        _unread(model, who, "rope= is given, and the rule reads nothing else of the model")
         return rope
     if model is None:
         raise KVComposeError(f"{who} needs the model (its rule is defined on pre-RoPE vectors): {who}(model=model)")
@@ -43,19 +50,22 @@ def _rope(model: Any, rope: Rotary | None, who: str) -> Rotary:
 
 def keydiff(model: Any = None) -> Pipeline:
     """KeyDiff: keep the keys least similar to the mean key direction (Park et al., arXiv 2504.15364;
-    kvpress's `KeyDiffPress`). Query-free; `model` is ignored."""
+    kvpress's `KeyDiffPress`). Query-free: `model=` has no effect (it warns)."""
+    _unread(model, "keydiff", "KeyDiff is query-free and reads nothing of the model")
     return Pipeline(KeyDiff(), TopK(), name="keydiff")
 
 
 def lagkv(sinks: int = 4, lag: int = 128, model: Any = None) -> Pipeline:
     """LagKV: each partition of `lag` tokens scored against the next one, 4 sinks and the newest partition
     kept (Liang et al., arXiv 2504.04704; kvpress's `LagKVPress`, defaults 4 and 128). Query-free."""
+    _unread(model, "lagkv", "LagKV is query-free and reads nothing of the model")
     return Pipeline(LagKV(sinks=sinks, lag=lag), TopK(), name=f"lagkv(lag={lag})")
 
 
 def cur(sinks: int = 4, window: int = 16, model: Any = None) -> Pipeline:
     """CurDKV: approximate leverage `|k|^2 |v|^2` normalised in local windows of 16, 4 sinks
     (arXiv 2509.15038; kvpress's `CURPress` defaults). Query-free."""
+    _unread(model, "cur", "CUR is query-free and reads nothing of the model")
     return Pipeline(CUR(sinks=sinks, window=window), TopK(), name="cur")
 
 
@@ -68,6 +78,7 @@ def leverage(model: Any = None, rope: Rotary | None = None, sketch: int = 48) ->
 def noncausal_attention(chunk: int = 256, window: int | None = 256, model: Any = None) -> Pipeline:
     """Compactor's non-causal chunked attention alone (kvpress's `NonCausalAttnPress`, chunk 256): a prefill
     rule (run it with `compress_prefill=True` and a window of at least the prompt)."""
+    _unread(model, "noncausal_attention", "the rule reads only the cached keys and queries")
     return Pipeline(NonCausalAttention(chunk=chunk, window=window), TopK(), name="noncausal_attention")
 
 
@@ -103,6 +114,8 @@ def criticalkv(model: Any = None, inner: Scorer | None = None, epsilon: float = 
     """CriticalKV over `inner` (default: ExpectedAttention without its value norm, kvpress's recommended
     pairing): half the budget by the inner score, the rest by `(s + 1e-4) |v W_o|_1` (Feng et al.,
     arXiv 2502.03805; kvpress's `CriticalKVPress`). Needs the model (its output projections)."""
+    if projection is not None and (inner is not None or rope is not None):
+        _unread(model, "criticalkv", "projection= and the inner scorer (or rope=) are given")
     if projection is None:
         if model is None:
             raise KVComposeError("criticalkv needs the model's output projections: criticalkv(model=model)")
@@ -127,6 +140,7 @@ def cam(base: Pipeline | None = None, window: int = 32, model: Any = None) -> Pi
     """CaM: evicted values merged into the 32 kept tokens after them with probability from accumulated attention
     (Zhang et al., ICML 2024; kvpress's `CAMPress`, `merge_budget=32`), over `base` eviction (H2O by default,
     one of the paper's base policies)."""
+    _unread(model, "cam", "the base pipeline is built without it")
     base = base if base is not None else h2o()
     return with_merger(base, CAM(window=window), name=f"cam({base!r})")
 
@@ -134,6 +148,7 @@ def cam(base: Pipeline | None = None, window: int = 32, model: Any = None) -> Pi
 def merging(base: Pipeline | None = None, threshold: float = 0.0, fraction: float = 1.0, model: Any = None) -> Pipeline:
     """MergingPress's rule: each evicted value folded into its most key-similar kept token, weighted by similarity
     and value norms (kvpress's `MergingPress` defaults), over `base` eviction (H2O by default)."""
+    _unread(model, "merging", "the base pipeline is built without it")
     base = base if base is not None else h2o()
     return with_merger(base, MergeSimilar(threshold=threshold, fraction=fraction), name=f"merging({base!r})")
 
@@ -144,6 +159,7 @@ def chunkkv(base: Pipeline | None = None, chunk: int = 20, model: Any = None) ->
     (Liu et al., arXiv 2502.00299; kvpress's `ChunkKVPress`, `chunk_length=20`). This is `BlockGranular` over
     TopK with `per_head=False`: chunks are kept while they fit in the budget (kvpress keeps
     `int(chunks * (1 - ratio))` chunks, which can overshoot the target by up to one chunk)."""
+    _unread(model, "chunkkv", "the base pipeline is built without it")
     base = base if base is not None else snapkv()
     if not base.compresses or base.scorer is None:
         raise KVComposeError(f"chunkkv needs a base pipeline with a scorer, got {base!r}")
@@ -158,6 +174,7 @@ def kvcompose_paper(structured: bool = True, window: int = 32, task: str = "max"
     mean over heads; every head's sorted tokens aligned into composite tokens, the same count per head
     (`structured=True`, dense storage) or a per-head split of the layer's total by a global top-k
     (`structured=False`, paged storage)."""
+    _unread(model, "kvcompose_paper", "the rule reads only the cached keys and queries")
     scorer = AggregatedAttention(window=window, task=task, value_norm=value_norm)  # type: ignore[arg-type]
     return Pipeline(scorer, CompositeTokens(structured=structured, floor=floor),
                     name=f"kvcompose_paper({'structured' if structured else 'unstructured'})")
@@ -170,6 +187,7 @@ def duo_attention(profile: Any = None, streaming: float = 0.5, sinks: int = 4, r
     heads, keep everything (Xiao et al., arXiv 2410.10819; kvpress's `DuoAttentionPress`,
     `head_compression_ratio=0.5`). `profile`: the JSON of `kvcompose calibrate --target duo` (or a `DuoHeads`
     profile dict). Paged storage: streaming heads really free their memory."""
+    _unread(model, "duo_attention", "the head types come from the profile")
     if profile is None:
         raise KVComposeError("duo_attention needs a head profile: `kvcompose calibrate --target duo --out duo.json`, then "
                              "duo_attention(profile='duo.json')")
@@ -187,6 +205,8 @@ def lukv(curves: Any = None, base: Pipeline | None = None, sinks: int = 4, windo
                              "lukv(curves='curves.json', model=model)")
     if base is None:
         base = Pipeline(ExpectedAttention(_rope(model, None, "lukv"), epsilon=2e-2), TopK())
+    else:
+        _unread(model, "lukv", "base= is given (the model is read only for the default ExpectedAttention base)")
     prot = [*([ProtectSinks(sinks)] if sinks else []), *([ProtectRecent(window)] if window else [])]
     return base.replace(*base.protectors, *prot, HeadCurves(curves, floor=max(1, sinks + window)), name=f"lukv({base!r})")
 
@@ -196,6 +216,7 @@ def adakv(base: Pipeline | None = None, alpha: float = 0.2, model: Any = None) -
     the best (head, token) pairs over all heads (Feng et al., arXiv 2407.11550; kvpress's `AdaKVPress`,
     `alpha_safeguard=0.2`), over `base` scoring (SnapKV's by default). `CompositeTokens(structured=False,
     floor=alpha)`: paged storage, head counts differ."""
+    _unread(model, "adakv", "the base pipeline is built without it")
     base = base if base is not None else snapkv()
     if not base.compresses or base.scorer is None:
         raise KVComposeError(f"adakv needs a base pipeline with a scorer, got {base!r}")
@@ -220,7 +241,8 @@ PORTED = {
     "lukv": lukv,
     "adakv": adakv,
 }
-"""Presets ported from kvpress, by name; every one takes `model=` (ignored where the rule does not need it)."""
+"""Presets ported from kvpress, by name; every one takes `model=` (a `KVComposeWarning` where the rule does not read
+it; `methods.preset` passes it only to the presets in `NEEDS_MODEL`)."""
 
 NEEDS_MODEL = frozenset({"leverage", "compactor", "expected_attention", "cap", "criticalkv", "lukv"})
 """The ported presets whose rule needs the model's data (`model=` is required; `lukv` only for its default base)."""
