@@ -23,24 +23,9 @@ import torch
 
 from kvcompose import KVComposeCache, KVComposeError, methods
 from kvcompose.block import EventTrigger
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.bench.tiny import TINY_PRESETS, tiny_model
 
-PRESETS = {
-    "full": lambda: methods.full(),
-    "streaming_llm": lambda: methods.streaming_llm(sinks=2),
-    "h2o": lambda: methods.h2o(),
-    "snapkv": lambda: methods.snapkv(window=4, kernel=3),
-    "tova": lambda: methods.tova(),
-    "knorm": lambda: methods.knorm(sinks=2),
-    "rkv": lambda: methods.rkv(window=2, kernel=3),
-    "random_attention": lambda: methods.random_attention(recent=4),
-    "vase": lambda: methods.vase(recent=4, window=8, kernel=3),
-    "memory_hierarchy": lambda: methods.memory_hierarchy(0.5, 0.2, 0.1, recent=4),
-    "pyramid_rkv": lambda: methods.pyramid_rkv(methods.rkv(window=2, kernel=3), beta=2),
-    "reason_alloc": lambda: methods.reason_alloc(methods.rkv(window=2, kernel=3), profile=None, window=4,
-                                                 page_size=4, floor=0.5),
-    "growpage": lambda: methods.growpage(methods.rkv(window=2, kernel=3), page=4, window=4, initial=0.5),
-}
+PRESETS = {name: TINY_PRESETS[name] for name in TINY_PRESETS if name != "vase_query_free"}  # the census's 13
 REASONS = {"compression event": "event since", "keeps state": "observer state", "queries": "query window"}
 
 

@@ -8,26 +8,12 @@ import torch
 from hypothesis import strategies as st
 
 from kvcompose import BlockGranular, HeadUtility, HostTier, Hierarchy, CompressedTier, Pipeline, TopK, methods
+from kvcompose.bench.tiny import TINY_PRESETS
 from kvcompose.blocks import ExpectedAttention, Rotary
 
-PRESETS = {
-    "full": lambda: methods.full(),
-    "streaming_llm": lambda: methods.streaming_llm(sinks=2),
-    "h2o": lambda: methods.h2o(),
-    "snapkv": lambda: methods.snapkv(window=4, kernel=3),
-    "tova": lambda: methods.tova(),
-    "knorm": lambda: methods.knorm(sinks=2),
-    "rkv": lambda: methods.rkv(window=2, kernel=3),
-    "random_attention": lambda: methods.random_attention(recent=4),
-    "vase": lambda: methods.vase(recent=4, window=8, kernel=3),
-    "vase_query_free": lambda: methods.vase(recent=4, query_free=True, rank=4),
-    "memory_hierarchy": lambda: methods.memory_hierarchy(0.5, 0.2, 0.1, recent=4),
-    "pyramid_rkv": lambda: methods.pyramid_rkv(methods.rkv(window=2, kernel=3), beta=2),
-    "reason_alloc": lambda: methods.reason_alloc(methods.rkv(window=2, kernel=3), profile=None, window=4,
-                                                 page_size=4, floor=0.5),
-    "growpage": lambda: methods.growpage(methods.rkv(window=2, kernel=3), page=4, window=4, initial=0.5),
-}
+PRESETS = TINY_PRESETS
 """name -> a preset with windows small enough for budgets of 16-24 tokens (each one is in `methods.PRESETS`)."""
+
 
 def _expected(model, **kw) -> ExpectedAttention:
     return ExpectedAttention(Rotary.from_model(model), window=4, future=16, sinks=2, **kw)

@@ -1,6 +1,7 @@
 """Tiny randomly initialised models for tests, examples and docs that must run in seconds without the real
 model (and without a model hub): `tiny_model` (any of the supported architectures) and `tiny_chat_model`
-(with a character-level tokenizer and a ChatML template, usable as `--model DIR` on the command line).
+(with a character-level tokenizer and a ChatML template, usable as `--model DIR` on the command line), and
+`TINY_PRESETS`, every preset scaled down so that such a model compresses within a few dozen tokens.
 Their text is gibberish; the code paths are real."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from ..view import KVComposeError
 
-__all__ = ["tiny_model", "tiny_chat_model", "save_tiny_chat_model", "CHATML_TEMPLATE", "ARCHS"]
+__all__ = ["tiny_model", "tiny_chat_model", "save_tiny_chat_model", "CHATML_TEMPLATE", "ARCHS", "TINY_PRESETS"]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -94,3 +95,30 @@ def save_tiny_chat_model(path: str | os.PathLike, **kwargs) -> str:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+def _tiny_presets() -> dict:
+    from .. import methods
+
+    return {
+        "full": lambda: methods.full(),
+        "streaming_llm": lambda: methods.streaming_llm(sinks=2),
+        "h2o": lambda: methods.h2o(),
+        "snapkv": lambda: methods.snapkv(window=4, kernel=3),
+        "tova": lambda: methods.tova(),
+        "knorm": lambda: methods.knorm(sinks=2),
+        "rkv": lambda: methods.rkv(window=2, kernel=3),
+        "random_attention": lambda: methods.random_attention(recent=4),
+        "vase": lambda: methods.vase(recent=4, window=8, kernel=3),
+        "vase_query_free": lambda: methods.vase(recent=4, query_free=True, rank=4),
+        "memory_hierarchy": lambda: methods.memory_hierarchy(0.5, 0.2, 0.1, recent=4),
+        "pyramid_rkv": lambda: methods.pyramid_rkv(methods.rkv(window=2, kernel=3), beta=2),
+        "reason_alloc": lambda: methods.reason_alloc(methods.rkv(window=2, kernel=3), profile=None, window=4,
+                                                     page_size=4, floor=0.5),
+        "growpage": lambda: methods.growpage(methods.rkv(window=2, kernel=3), page=4, window=4, initial=0.5),
+    }
+
+
+TINY_PRESETS = _tiny_presets()
+"""name -> a builder of that preset (each one of `methods.PRESETS`, plus VaSE's query-free variant) with windows
+small enough for budgets of 16-24 tokens: the cases of the exactness properties and of `benchmarks/crop_census.py`."""
