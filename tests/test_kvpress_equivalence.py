@@ -400,32 +400,34 @@ def test_lukv_matches_kvpress(model):
     press = kvpress.LUKVPress(press=kvpress.KnormPress(), compression_ratio=0.5, sink=4, window=1)
     press._budget_curves = curves
     pre = Prefill(model, 64, layer=1, seed=3)
+    pipe = Pipeline(ProtectSinks(4), ProtectRecent(1), KeyNorm(), TopK(), HeadCurves({"prune": curves.tolist()}))
+    kept = _kept_lists(pipe, pre, 32)
+    assert kept == _masking_press_kept(press, pre)
+    assert len(kept[0]) != len(kept[1])  # really head-wise
+
+
+def _masking_press_kept(press, pre: Prefill) -> list[list[int]]:
+    """The slots a head-wise press (it masks keys instead of removing them) keeps per KV head of one prefill."""
     with torch.no_grad():
         pre.attn.config._attn_implementation = "sdpa"
         press.compress(pre.attn, pre.hidden, pre.keys, pre.values, None, pre.kwargs)
-    masked = torch.zeros(1, H, 64, dtype=torch.bool)
+    masked = torch.zeros(1, H, pre.keys.shape[2], dtype=torch.bool)
     masked[pre.attn.masked_key_indices] = True
     del pre.attn.masked_key_indices
-    pipe = Pipeline(ProtectSinks(4), ProtectRecent(1), KeyNorm(), TopK(), HeadCurves({"prune": curves.tolist()}))
-    sel, _ = pipe.select(pre.view(), 32)
-    kept = [sel.kept[0, h][sel.kept[0, h] >= 0].tolist() for h in range(H)]
-    assert kept == [(~masked[0, h]).nonzero().flatten().tolist() for h in range(H)]
-    assert len(kept[0]) != len(kept[1])  # really head-wise
+    return [(~masked[0, h]).nonzero().flatten().tolist() for h in range(H)]
+
+
+def _kept_lists(pipe: Pipeline, pre: Prefill, budget: int) -> list[list[int]]:
+    sel, _ = pipe.select(pre.view(), budget)
+    return [sel.kept[0, h][sel.kept[0, h] >= 0].tolist() for h in range(H)]
 
 
 def test_adakv_matches_kvpress(model):
     pre = Prefill(model, 64, layer=1, seed=9)
     press = kvpress.AdaKVPress(press=kvpress.KnormPress(), alpha_safeguard=0.2)
     press.compression_ratio = 0.5
-    with torch.no_grad():
-        pre.attn.config._attn_implementation = "sdpa"
-        press.compress(pre.attn, pre.hidden, pre.keys, pre.values, None, pre.kwargs)
-    masked = torch.zeros(1, H, 64, dtype=torch.bool)
-    masked[pre.attn.masked_key_indices] = True
-    del pre.attn.masked_key_indices
-    sel, _ = methods.adakv(Pipeline(KeyNorm(), TopK())).select(pre.view(), 32)
-    kept = [sel.kept[0, h][sel.kept[0, h] >= 0].tolist() for h in range(H)]
-    assert kept == [(~masked[0, h]).nonzero().flatten().tolist() for h in range(H)] and len(kept[0]) != len(kept[1])
+    kept = _kept_lists(methods.adakv(Pipeline(KeyNorm(), TopK())), pre, 32)
+    assert kept == _masking_press_kept(press, pre) and len(kept[0]) != len(kept[1])
 
 
 def test_observed_attention_matches_kvpress(model):
