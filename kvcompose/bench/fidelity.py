@@ -453,6 +453,27 @@ def _check_head(model, logits: Tensor, hidden: Tensor) -> None:
             "does not support this model")
 
 
+class RowScores:
+    """Per-row top-1 agreement and KL against the references, and the NLL of each trace token, gathered chunk by
+    chunk: `score(start, hidden)` scores `hidden` `[B, n, D]`, whose row b predicts `traces[b].trace_ids[start:]`."""
+
+    def __init__(self, model, traces: list[Trace], references: list[HiddenReference]):
+        self.model, self.references = model, references
+        self.targets = [torch.tensor(t.trace_ids) for t in traces]
+        self.top1: list[list[float]] = [[] for _ in traces]
+        self.kl: list[list[float]] = [[] for _ in traces]
+        self.nll: list[list[float]] = [[] for _ in traces]
+
+    def __call__(self, start: int, hidden: Tensor) -> None:
+        n = hidden.shape[1]
+        for b, tgt in enumerate(self.targets):
+            lp = torch.log_softmax(head_logits(self.model, hidden[b]), dim=-1).cpu()
+            lr = self.references[b].logp(self.model, start, n)
+            self.top1[b].extend(top1_agreement(lr, lp).tolist())
+            self.kl[b].extend(kl_divergence(lr, lp).tolist())
+            self.nll[b].extend((-lp.gather(1, tgt[start : start + n, None])[:, 0]).tolist())
+
+
 @torch.no_grad()
 def hidden_references(model, traces: list[Trace], batch_size: int = 8, chunk: int = 256) -> list[HiddenReference]:
     """Full-cache references of `traces` (a `DynamicCache` per batch of `batch_size` left-padded rows, chunks
@@ -554,20 +575,7 @@ def evaluate_batch(model, traces: list[Trace], make_cache: Callable[[], Any], ch
     t0 = time.perf_counter()
     rows = len(traces)
     run = _BatchRun(model, cache, [t.prompt_ids for t in traces])
-    tgt = [torch.tensor(t.trace_ids) for t in traces]
-    top1: list[list[float]] = [[] for _ in traces]
-    kl: list[list[float]] = [[] for _ in traces]
-    nll: list[list[float]] = [[] for _ in traces]
-
-    def score(start: int, hidden: Tensor) -> None:  # hidden [B, n, hidden]: row b predicts trace_ids[start:]
-        n = hidden.shape[1]
-        for b in range(rows):
-            lp = torch.log_softmax(head_logits(model, hidden[b]), dim=-1).cpu()
-            lr = references[b].logp(model, start, n)
-            top1[b].extend(top1_agreement(lr, lp).tolist())
-            kl[b].extend(kl_divergence(lr, lp).tolist())
-            nll[b].extend((-lp.gather(1, tgt[b][start : start + n, None])[:, 0]).tolist())
-
+    score = RowScores(model, traces, references)
     score(0, run.prefill_hidden[:, None])
     ids = torch.tensor([t.trace_ids[:-1] for t in traces], dtype=torch.long)
     for s in range(0, n_steps - 1, chunk):
@@ -580,7 +588,7 @@ def evaluate_batch(model, traces: list[Trace], make_cache: Callable[[], Any], ch
     seconds = (time.perf_counter() - t0) / rows
     if hasattr(cache, "close"):
         cache.close()
-    return [TraceScore(id=t.id, kind=t.kind, top1=top1[b], kl=kl[b], nll=nll[b], nll_full=references[b].nll.tolist(),
-                       max_held_tokens=int(peaks[b][0]), max_kv_bytes=int(peaks[b][1]), full_kv_bytes=int(peaks[b][2]),
+    return [TraceScore(id=t.id, kind=t.kind, top1=score.top1[b], kl=score.kl[b], nll=score.nll[b],
+                       nll_full=references[b].nll.tolist(), max_held_tokens=int(peaks[b][0]), max_kv_bytes=int(peaks[b][1]), full_kv_bytes=int(peaks[b][2]),
                        recall_logprob=recall[b], recall_logprob_full=references[b].recall, seconds=seconds)
             for b, t in enumerate(traces)]

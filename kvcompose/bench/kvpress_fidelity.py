@@ -30,8 +30,7 @@ import torch
 from torch import Tensor
 
 from ..view import KVComposeError
-from .fidelity import HiddenReference, TraceScore, _decoder, _device, head_logits, hidden_references
-from .metrics import kl_divergence, top1_agreement
+from .fidelity import HiddenReference, RowScores, TraceScore, _decoder, _device, hidden_references
 from .traces import Trace
 
 __all__ = ["PRESSES", "press_names", "base_press", "sorted_press", "make_press", "press_batches", "evaluate_press_batch",
@@ -165,20 +164,7 @@ def evaluate_press_batch(model, traces: list[Trace], press, references: list[Hid
     dev = _device(model)
     dec = _decoder(model)
     rows, p, n = len(traces), len(traces[0].prompt_ids), len(traces[0].trace_ids)
-    tgt = [torch.tensor(t.trace_ids) for t in traces]
-    top1: list[list[float]] = [[] for _ in traces]
-    kl: list[list[float]] = [[] for _ in traces]
-    nll: list[list[float]] = [[] for _ in traces]
-
-    def score(start: int, hidden: Tensor) -> None:  # hidden [B, k, D]: row b predicts trace_ids[start:]
-        k = hidden.shape[1]
-        for b in range(rows):
-            lp = torch.log_softmax(head_logits(model, hidden[b]), dim=-1).cpu()
-            lr = references[b].logp(model, start, k)
-            top1[b].extend(top1_agreement(lr, lp).tolist())
-            kl[b].extend(kl_divergence(lr, lp).tolist())
-            nll[b].extend((-lp.gather(1, tgt[b][start : start + k, None])[:, 0]).tolist())
-
+    score = RowScores(model, traces, references)
     cache = DynamicCache()
     t0 = time.perf_counter()
     peak_held = peak_bytes = 0
@@ -204,7 +190,7 @@ def evaluate_press_batch(model, traces: list[Trace], press, references: list[Hid
             score(start, torch.cat(buf, dim=1))
     seconds = (time.perf_counter() - t0) / rows
     full_bytes = peak_bytes and (peak_bytes // max(peak_held, 1)) * (p + n - 1)  # bytes per slot x tokens seen
-    return [TraceScore(id=t.id, kind=t.kind, top1=top1[b], kl=kl[b], nll=nll[b], nll_full=references[b].nll.tolist(),
-                       max_held_tokens=peak_held, max_kv_bytes=peak_bytes // rows, full_kv_bytes=full_bytes // rows,
+    return [TraceScore(id=t.id, kind=t.kind, top1=score.top1[b], kl=score.kl[b], nll=score.nll[b],
+                       nll_full=references[b].nll.tolist(), max_held_tokens=peak_held, max_kv_bytes=peak_bytes // rows, full_kv_bytes=full_bytes // rows,
                        seconds=seconds)
             for b, t in enumerate(traces)]
