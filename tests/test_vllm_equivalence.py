@@ -189,6 +189,7 @@ def smollm2(tmp_path_factory):
     del llm
 
 
+@pytest.mark.slow  # a real-model check: about 14 minutes on a 2-core CPU (docs/serving.md has its figures)
 def test_smollm2_every_preset_matches_kvcompose_cache(smollm2):
     from transformers import AutoTokenizer
 
