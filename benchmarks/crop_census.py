@@ -21,9 +21,9 @@ from collections import Counter
 
 import torch
 
-from kvcompose import KVComposeCache, KVComposeError, methods
+from kvcompose import KVComposeCache, KVComposeError
 from kvcompose.block import EventTrigger
-from kvcompose.bench.tiny import TINY_PRESETS, tiny_model
+from kvcompose.bench.tiny import TINY_PRESETS, greedy_steps as greedy, tiny_model
 
 PRESETS = {name: TINY_PRESETS[name] for name in TINY_PRESETS if name != "vase_query_free"}  # the census's 13
 REASONS = {"compression event": "event since", "keeps state": "observer state", "queries": "query window"}
@@ -37,17 +37,6 @@ def feed(model, cache, ids, start, prompt=None):
         t += prompt
     for j in range(t, ids.shape[1]):
         model(input_ids=ids[:, j : j + 1], past_key_values=cache)
-
-
-@torch.no_grad()
-def greedy(model, cache, first, n):
-    toks, logits, x = [], [], first
-    for _ in range(n):
-        lg = model(input_ids=x, past_key_values=cache).logits[:, -1]
-        x = lg.argmax(-1, keepdim=True)
-        toks.append(x)
-        logits.append(lg)
-    return torch.cat(toks, 1), torch.stack(logits, 1)
 
 
 def main() -> None:

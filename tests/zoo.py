@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from hypothesis import strategies as st
 
-from kvcompose import BlockGranular, HeadUtility, HostTier, Hierarchy, CompressedTier, Pipeline, TopK, methods
-from kvcompose.bench.tiny import TINY_PRESETS
+from kvcompose import BlockGranular, HostTier, Hierarchy, CompressedTier, Pipeline, TopK, methods
+from kvcompose.bench.tiny import TINY_PRESETS, greedy_steps
 from kvcompose.blocks import ExpectedAttention, Rotary
 
 PRESETS = TINY_PRESETS
@@ -85,14 +85,4 @@ def decode(model, cache, tokens: torch.Tensor, start: int, prompt: int | None = 
     return torch.stack(out, 1)
 
 
-@torch.no_grad()
-def greedy(model, cache, first: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode `n` tokens greedily after feeding `first` (`[B, 1]`): (tokens `[B, n]`, logits `[B, n, vocab]`)."""
-    toks, logits = [], []
-    x = first
-    for _ in range(n):
-        lg = model(input_ids=x, past_key_values=cache).logits[:, -1]
-        x = lg.argmax(-1, keepdim=True)
-        toks.append(x)
-        logits.append(lg)
-    return torch.cat(toks, 1), torch.stack(logits, 1)
+greedy = greedy_steps

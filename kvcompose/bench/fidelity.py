@@ -589,6 +589,7 @@ def evaluate_batch(model, traces: list[Trace], make_cache: Callable[[], Any], ch
     if hasattr(cache, "close"):
         cache.close()
     return [TraceScore(id=t.id, kind=t.kind, top1=score.top1[b], kl=score.kl[b], nll=score.nll[b],
-                       nll_full=references[b].nll.tolist(), max_held_tokens=int(peaks[b][0]), max_kv_bytes=int(peaks[b][1]), full_kv_bytes=int(peaks[b][2]),
+                       nll_full=references[b].nll.tolist(), max_held_tokens=int(peaks[b][0]),
+                       max_kv_bytes=int(peaks[b][1]), full_kv_bytes=int(peaks[b][2]),
                        recall_logprob=recall[b], recall_logprob_full=references[b].recall, seconds=seconds)
             for b, t in enumerate(traces)]

@@ -191,6 +191,7 @@ def evaluate_press_batch(model, traces: list[Trace], press, references: list[Hid
     seconds = (time.perf_counter() - t0) / rows
     full_bytes = peak_bytes and (peak_bytes // max(peak_held, 1)) * (p + n - 1)  # bytes per slot x tokens seen
     return [TraceScore(id=t.id, kind=t.kind, top1=score.top1[b], kl=score.kl[b], nll=score.nll[b],
-                       nll_full=references[b].nll.tolist(), max_held_tokens=peak_held, max_kv_bytes=peak_bytes // rows, full_kv_bytes=full_bytes // rows,
+                       nll_full=references[b].nll.tolist(), max_held_tokens=peak_held,
+                       max_kv_bytes=peak_bytes // rows, full_kv_bytes=full_bytes // rows,
                        seconds=seconds)
             for b, t in enumerate(traces)]

@@ -1,7 +1,8 @@
 """Tiny randomly initialised models for tests, examples and docs that must run in seconds without the real
 model (and without a model hub): `tiny_model` (any of the supported architectures) and `tiny_chat_model`
 (with a character-level tokenizer and a ChatML template, usable as `--model DIR` on the command line), and
-`TINY_PRESETS`, every preset scaled down so that such a model compresses within a few dozen tokens.
+`TINY_PRESETS`, every preset scaled down so that such a model compresses within a few dozen tokens, and
+`greedy_steps`, a greedy decode one forward per token (what the exactness checks compare).
 Their text is gibberish; the code paths are real."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from ..view import KVComposeError
 
-__all__ = ["tiny_model", "tiny_chat_model", "save_tiny_chat_model", "CHATML_TEMPLATE", "ARCHS", "TINY_PRESETS"]
+__all__ = ["tiny_model", "tiny_chat_model", "save_tiny_chat_model", "CHATML_TEMPLATE", "ARCHS", "TINY_PRESETS", "greedy_steps"]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -122,3 +123,17 @@ def _tiny_presets() -> dict:
 TINY_PRESETS = _tiny_presets()
 """name -> a builder of that preset (each one of `methods.PRESETS`, plus VaSE's query-free variant) with windows
 small enough for budgets of 16-24 tokens: the cases of the exactness properties and of `benchmarks/crop_census.py`."""
+
+
+@torch.no_grad()
+def greedy_steps(model, cache, first: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode `n` tokens greedily through `cache` after feeding `first` (`[B, 1]`), one forward per token:
+    (tokens `[B, n]`, logits `[B, n, vocab]`)."""
+    toks, logits = [], []
+    x = first
+    for _ in range(n):
+        lg = model(input_ids=x, past_key_values=cache).logits[:, -1]
+        x = lg.argmax(-1, keepdim=True)
+        toks.append(x)
+        logits.append(lg)
+    return torch.cat(toks, 1), torch.stack(logits, 1)

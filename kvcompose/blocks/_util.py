@@ -21,8 +21,8 @@ from torch import Tensor
 
 from ..view import KVComposeError, LayerView
 
-__all__ = ["sink_end", "real_rank", "first_real", "last_real", "protect_top", "window_queries", "group_mean", "row_zscore",
-           "read_profile", "check_page_size", "check_head_table"]
+__all__ = ["sink_end", "real_rank", "first_real", "last_real", "protect_top", "window_queries", "group_mean",
+           "row_zscore", "read_profile", "check_page_size", "check_head_table"]
 
 
 def real_rank(valid: Bool[Tensor, "B H T"]) -> Int[Tensor, "B H T"]:

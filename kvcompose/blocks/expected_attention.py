@@ -49,8 +49,11 @@ def check_future_args(who: str, rope: Rotary, window: int | None, future: int, s
             raise KVComposeError(f"{who}: {name} must be an int >= {lo}, got {v!r}")
 
 
+Stats = tuple[Float[Tensor, "B Hq D"], Float[Tensor, "B Hq D D"] | None]
+
+
 def future_queries(view: LayerView, rope: Rotary, window: int | None, sinks: int, future: int, covariance: bool
-                   ) -> tuple[Bool[Tensor, "B H T"], tuple[Float[Tensor, "B Hq D"], Float[Tensor, "B Hq D D"] | None] | None]:
+                   ) -> tuple[Bool[Tensor, "B H T"], Stats | None]:
     """`(sink, stats)`: the first `sinks` real tokens of each row, and `query_statistics` of the last `window`
     buffered queries (those at sink positions left out) for the `future` positions after the tokens seen, or
     None when no query is buffered."""
