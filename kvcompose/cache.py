@@ -28,6 +28,7 @@ from .block import Block, EventTrigger, role_of
 from .layer import CacheStats, ComposeLayer, CoreConfig
 from .pipeline import Pipeline
 from .prefetch import Prefetcher
+from .seeding import check_seed
 from .view import KVComposeError, warn_unused
 
 __all__ = ["KVComposeCache", "MemoryReport", "CacheStats", "check_model", "check_interval", "check_budget",
@@ -199,8 +200,7 @@ class KVComposeCache(Cache):
         check_budget(budget)
         interval_given = interval
         interval = check_interval(interval if interval is not None else (pipeline.interval or DEFAULT_INTERVAL))
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise KVComposeError(f"seed must be an int, got {seed!r}")
+        seed = check_seed(seed, "KVComposeCache(seed=...)")
         if prefetcher is not None and not isinstance(prefetcher, Prefetcher):
             raise KVComposeError(f"prefetcher must be a kvcompose Prefetcher, got {type(prefetcher).__name__}")
         pipeline.validate(budget)

@@ -42,6 +42,7 @@ from .events import rows_due, rows_over, run_event
 from .path import PathTokens, gather, has_tier_tokens, segment_part
 from .pipeline import Pipeline, Selection
 from .prefetch import Merged
+from .seeding import derived_seed
 from .segment import CacheStats, CoreConfig, QueryRing, Segment
 from .stores import KVStore, StoreView, make_store
 from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
@@ -121,7 +122,7 @@ class ComposeLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads, self.head_dim, self.value_dim = b, h, d, value_states.shape[-1]
         self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(self.config.seed * 1_000_003 + self.layer_idx)
+        self.generator.manual_seed(derived_seed(self.config.seed, self.layer_idx))
         self.spec = LayerSpec(self.layer_idx, self.config.num_layers, b, h, d, self.value_dim, self.device, self.dtype)
         pipe = self.config.pipeline
         self._window = pipe.query_window if self.sliding_window is None else 0

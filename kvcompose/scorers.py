@@ -18,6 +18,7 @@ from torch import Tensor
 from .attention_math import attention_probs
 from .block import Block, require_role
 from .kernels import key_redundancy, value_magnitude, window_attention_scores
+from .seeding import check_seed, derived_seed
 from .view import AttentionStep, KVComposeError, LayerSpec, LayerView, warn_unused
 
 __all__ = [
@@ -374,7 +375,7 @@ class ProjectedNorm(Scorer):
     def __init__(self, rank: int = 20, fixed: bool = True, seed: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
             raise KVComposeError(f"ProjectedNorm: rank must be a positive int, got {rank!r}")
-        self.rank, self.fixed, self.seed = rank, bool(fixed), int(seed)
+        self.rank, self.fixed, self.seed = rank, bool(fixed), check_seed(seed, "ProjectedNorm(seed=...)")
         if not self.fixed and self.seed != 0:
             warn_unused(f"ProjectedNorm(seed={seed})", "with fixed=False a fresh projection is drawn at every event "
                         "from the layer's generator (the cache's seed)")
@@ -387,7 +388,7 @@ class ProjectedNorm(Scorer):
         if not self.fixed:
             return None
         gen = torch.Generator(device=spec.device)
-        gen.manual_seed(self.seed * 1_000_003 + spec.layer_idx)
+        gen.manual_seed(derived_seed(self.seed, spec.layer_idx))
         return torch.randn(spec.batch, 1, spec.head_dim, self.rank, generator=gen, device=spec.device) / self.rank**0.5
 
     def score(self, view: LayerView, state: Tensor | None = None) -> Float[Tensor, "B H T"]:

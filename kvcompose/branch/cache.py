@@ -54,6 +54,7 @@ from ..layer import CacheStats, CoreConfig
 from ..pipeline import Pipeline
 from ..prefetch import Prefetcher
 from ..scorers import AccumulatedAttention, Scorer
+from ..seeding import check_seed
 from ..selectors import TopK
 from ..tiers import HostTier, TierStore
 from ..view import KVComposeError, warn_unused
@@ -178,6 +179,7 @@ class BranchCache(ForwardMixin, BudgetMixin, Cache):
             pipeline.validate(active_budget)
         config, self.attention = check_model(model, strict)
         check_budget(active_budget, "active_budget")
+        seed = check_seed(seed, "BranchCache(seed=...)")
         _check_unused(pipeline, self.attention, interval, active_budget, host_limit, tier, seed)
         self.model = model
         self.budget = budget

@@ -12,6 +12,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from ..seeding import check_seed, derived_seed
 from ..view import KVComposeError
 from .backends import Backend, CopiedKV, SharedKV
 from .nodes import MeanLogProb, SearchNode, SearchResult, Step, StepScorer
@@ -153,7 +154,8 @@ class TreeSearch:
         self.width, self.expand, self.root_expand, self.depth = width, expand, root_expand, depth
         self.step_tokens, self.min_step_tokens, self.stop_ids = step_tokens, min_step_tokens, stop
         self.scorer, self.aggregate = scorer, aggregate
-        self.temperature, self.top_k, self.top_p, self.seed = float(temperature), top_k, top_p, seed
+        self.temperature, self.top_k, self.top_p = float(temperature), top_k, top_p
+        self.seed = check_seed(seed, "seed")
         self.max_expansions = depth * width if max_expansions is None else max_expansions
         self.eos = torch.tensor(eos, dtype=torch.long)
 
@@ -181,7 +183,7 @@ class TreeSearch:
         criteria = _stopping_criteria(self.stop_ids, start, self.min_step_tokens) if self.stop_ids is not None else None
         devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.manual_seed(self.seed * 1_000_003 + node_id)
+            torch.manual_seed(derived_seed(self.seed, node_id))
             out = self.model.generate(
                 input_ids=ids.to(dev), attention_mask=torch.ones_like(ids, device=dev), past_key_values=cache,
                 generation_config=self._generation_config(), stopping_criteria=criteria,

@@ -19,6 +19,7 @@ from typing import Any
 
 from ...block import EventTrigger, LayerSchedule
 from ...pipeline import Pipeline
+from ...seeding import check_seed, derived_seed
 from ...view import KVComposeError
 
 __all__ = ["CONFIG_KEY", "Settings", "engine_settings", "request_settings", "check_pipeline", "check_blocks",
@@ -160,8 +161,7 @@ def _build(cfg: dict[str, Any], block_size: int, base: Settings | None) -> Setti
         new = "pipeline" in cfg or "preset" in cfg  # keeps the engine's interval too
         interval = base.interval if base is not None and not new else (pipeline.interval or DEFAULT_INTERVAL)
     seed = cfg.get("seed", base.seed if base is not None else 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise KVComposeError(f"seed must be an int, got {seed!r}")
+    seed = check_seed(seed, "kvcompose seed")
     if pipeline.compresses:
         check_pipeline(pipeline)
         if budget is None:
@@ -197,7 +197,7 @@ def request_settings(extra_args: dict[str, Any] | None, block_size: int, base: S
 
 def layer_seed(seed: int, layer_idx: int) -> int:
     """The seed of a request's generator for one layer: `KVComposeCache(seed=seed)`'s rule."""
-    return seed * 1_000_003 + layer_idx
+    return derived_seed(seed, layer_idx)
 
 
 def event_due(prompt_len: int, before: int, now: int, interval: int, held: int, budget: int | None) -> bool:
