@@ -42,7 +42,7 @@ def time_compress(cache: KVComposeCache) -> KVComposeCache:
 
 def load(tiny: bool, data: str, index: int, device: torch.device):
     if tiny:
-        from kvcompose.bench.tiny import tiny_model
+        from kvcompose.testing import tiny_model
 
         model = tiny_model("llama", layers=4, heads=8, kv_heads=2, head_dim=32, vocab=256).to(device)
         ids = torch.randint(3, 256, (1, 64), generator=torch.Generator().manual_seed(0)).to(device)

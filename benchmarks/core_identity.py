@@ -70,7 +70,7 @@ def fingerprint(args) -> dict:
 
 def _tiny_model():
     try:
-        from kvcompose.bench.tiny import tiny_model
+        from kvcompose.testing import tiny_model
     except ImportError:  # a checkout from before the test models moved out of the core
         from kvcompose.models import tiny_model
     return tiny_model("llama", layers=3, heads=4, kv_heads=2, head_dim=16)

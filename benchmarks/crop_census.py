@@ -23,7 +23,7 @@ import torch
 
 from kvcompose import KVComposeCache, KVComposeError
 from kvcompose.block import EventTrigger
-from kvcompose.bench.tiny import TINY_PRESETS, greedy_steps as greedy, tiny_model
+from kvcompose.testing import TINY_PRESETS, greedy_steps as greedy, tiny_model
 
 PRESETS = {name: TINY_PRESETS[name] for name in TINY_PRESETS if name != "vase_query_free"}  # the census's 13
 REASONS = {"compression event": "event since", "keeps state": "observer state", "queries": "query window"}

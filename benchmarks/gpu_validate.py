@@ -430,7 +430,7 @@ def _model():
     if "model" in _MODEL:
         return _MODEL["model"], _MODEL["name"]
     if DRY:
-        from kvcompose.bench.tiny import tiny_model
+        from kvcompose.testing import tiny_model
 
         model = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128).to(DEV)
         name = "tiny llama (2 layers, 4 heads, 2 KV heads, head dim 16, fp32)"

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcompose import HostTier, KVComposeCache, Pipeline, Recency, TopK  # noqa: E402
-from kvcompose.bench.tiny import tiny_model  # noqa: E402
+from kvcompose.testing import tiny_model  # noqa: E402
 from kvcompose.prefetch import Prefetcher  # noqa: E402
 
 

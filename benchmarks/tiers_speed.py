@@ -82,7 +82,7 @@ def main() -> None:
     dev = torch.device(args.device)
 
     if args.tiny:
-        from kvcompose.bench.tiny import tiny_model
+        from kvcompose.testing import tiny_model
 
         model = tiny_model("llama", layers=4, heads=8, kv_heads=2, head_dim=32, vocab=256).to(dev)
         ids = torch.randint(3, 256, (1, 64), generator=torch.Generator().manual_seed(0)).to(dev)

@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     configs = args.configs.split(",")
     if args.tiny:
-        from kvcompose.bench.tiny import tiny_model
+        from kvcompose.testing import tiny_model
 
         model, tok = tiny_model("llama", layers=2), None
         prompts = [(torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(args.seed)), None)]

@@ -64,7 +64,7 @@ pipeline = Pipeline(ProtectSinks(4), ProtectRecent(16), ProtectEvery(16), Attent
                     name="attention x value + landmarks")
 
 if "--tiny" in sys.argv[1:] or os.environ.get("KVCOMPOSE_EXAMPLE_TINY"):
-    from kvcompose.bench.tiny import tiny_chat_model
+    from kvcompose.testing import tiny_chat_model
 
     model, tok = tiny_chat_model()
     budget, interval, max_new = 32, 8, 48

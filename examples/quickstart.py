@@ -14,7 +14,7 @@ from kvcompose.models import chat_inputs
 
 torch.manual_seed(0)
 if "--tiny" in sys.argv[1:] or os.environ.get("KVCOMPOSE_EXAMPLE_TINY"):
-    from kvcompose.bench.tiny import tiny_chat_model
+    from kvcompose.testing import tiny_chat_model
 
     model, tok = tiny_chat_model()
     budget, interval, max_new = 24, 8, 48

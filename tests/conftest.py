@@ -12,9 +12,13 @@ if not torch.cuda.is_available():
 
 from hypothesis import settings  # noqa: E402
 
-settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
-settings.register_profile("dev", max_examples=25, deadline=None)
-settings.load_profile("ci" if os.environ.get("CI") else "dev")
+# The README's test command draws the same examples on every run, on every machine ("ci": derandomized, no
+# example database); `HYPOTHESIS_PROFILE=explore` draws new ones (10x the examples of each property, see
+# tests/helpers.py `examples`, `KVCOMPOSE_EXPLORE_FACTOR` to change it) for a developer before a change lands.
+# A failure it finds becomes an `@example` of the property, so the CI profile keeps checking it.
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", max_examples=250, deadline=None, derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 import pytest  # noqa: E402

@@ -3,14 +3,24 @@ ids and full-cache references of the tree-cache tests."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from transformers import DynamicCache
 
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from kvcompose.view import LayerView
 
 _TREE_MODELS: dict = {}
+
+
+def examples(n: int) -> int:
+    """A property's example count: `n` in the deterministic default profile, `n` times
+    `KVCOMPOSE_EXPLORE_FACTOR` (10) with `HYPOTHESIS_PROFILE=explore` (tests/conftest.py)."""
+    if os.environ.get("HYPOTHESIS_PROFILE") == "explore":
+        return n * int(os.environ.get("KVCOMPOSE_EXPLORE_FACTOR", "10"))
+    return n
 
 
 def tree_model(arch: str = "llama"):

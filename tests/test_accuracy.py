@@ -13,7 +13,7 @@ import torch
 
 from kvcompose import KVComposeError, cli
 from kvcompose.bench import accuracy as acc
-from kvcompose.bench.tiny import save_tiny_chat_model
+from kvcompose.testing import save_tiny_chat_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

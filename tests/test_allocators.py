@@ -17,7 +17,7 @@ from kvcompose import (
 )
 from kvcompose.allocators import Allocator, round_to_total
 from kvcompose.calibration import calibrate_reasoning_wave, coverage_count
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from kvcompose.stores import POOL_SLACK, PagedStore, PagePool
 from kvcompose.view import LayerSpec, LayerView
 

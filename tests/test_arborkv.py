@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from kvcompose import Evict, KVComposeError
 from kvcompose.branch import BranchCache
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from kvcompose.search import SharedKV, TreeSearch
 from kvcompose.tiers import HostTier
 from helpers import feed as _feed

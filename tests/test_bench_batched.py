@@ -9,7 +9,7 @@ from kvcompose import KVComposeCache, KVComposeError, methods
 from kvcompose.bench.fidelity import (
     Trace, clear_reference_cache, evaluate_batch, evaluate_trace, hidden_references,
 )
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from kvcompose.view import FAR_POSITION
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -114,7 +114,7 @@ def test_batch_refuses_unequal_traces():
 # ------------------------------------------------------------------------------ the CLI: batches, resume, held out
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from kvcompose.bench.tiny import save_tiny_chat_model
+    from kvcompose.testing import save_tiny_chat_model
 
     return save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
 
@@ -144,7 +144,7 @@ def test_cli_batches_resumes_and_holds_out(tiny_dir, grouped_questions, tmp_path
     import json
 
     from kvcompose.bench import fidelity, run
-    from kvcompose.bench.tiny import tiny_chat_model
+    from kvcompose.testing import tiny_chat_model
     from kvcompose.bench.traces import prompt_ids
 
     pipes = tmp_path / "pipes.py"

@@ -13,7 +13,7 @@ from kvcompose.bench.fidelity import (
     FidelityResult, Trace, TraceScore, clear_reference_cache, evaluate, extract_answer, gsm8k_answer,
     kl_divergence, load_questions, perplexity_ratio, teacher_force_logits, top1_agreement,
 )
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread

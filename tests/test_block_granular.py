@@ -6,15 +6,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import random_view
+from helpers import examples, random_view
 from kvcompose import (
     BlockGranular, KVComposeCache, KVComposeError, Pipeline, ProtectRecent, ProtectSinks, RandomDrop, TopK,
     ValueNorm, methods,
 )
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(block=st.integers(2, 8), budget=st.integers(12, 30), recent=st.integers(0, 6), sinks=st.integers(0, 3),
        reduce=st.sampled_from(["mean", "max"]), per_head=st.booleans(), seed=st.integers(0, 50),
        random=st.booleans())

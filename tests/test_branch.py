@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from kvcompose import Evict, KVComposeError, KeyNorm, Pipeline, TopK, WindowedAttention
 from kvcompose.branch import BranchCache
 from kvcompose.tiers import HostTier
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from helpers import feed as _feed
 from helpers import full_reference
 from helpers import rand_ids as _ids

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from kvcompose import (
     KVComposeCache, KVComposeError, Pipeline, ProtectRecent, ProtectSinks, RandomDrop, TopK, ValueNorm, methods,
 )
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 

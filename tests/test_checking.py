@@ -11,7 +11,7 @@ from beartype.roar import BeartypeCallHintParamViolation
 from jaxtyping import TypeCheckError
 
 from kvcompose import DenseStore, KVComposeCache, LayerView, methods
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 
 CHECKER = (TypeCheckError, BeartypeCallHintParamViolation)  # the checker's errors; never KVComposeError
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvcompose import cli
 from kvcompose.bench import run as bench_run
-from kvcompose.bench.tiny import save_tiny_chat_model
+from kvcompose.testing import save_tiny_chat_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread

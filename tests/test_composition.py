@@ -20,7 +20,8 @@ from kvcompose.blocks import (
     CAM, AggregatedAttention, CompositeTokens, DuoHeads, HeadCurves, CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore, MergeSimilar,
     NonCausalAttention, OutputProjection, Rotary,
 )
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
+from helpers import examples
 
 MODEL = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
 RANDOM_BLOCKS = (RandomDrop, Sample, RandomScore, LeverageScore, Compactor, CAM)
@@ -187,7 +188,7 @@ def _check_cache(cache, pipe, budget, interval, rec, sinks, mask, seen):
             assert isinstance(layer.segment.store, PagedStore)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pipes=pipelines(), alloc=st.sampled_from(sorted(ALLOCATORS)), tier=st.sampled_from(sorted(TIERS)),
        budget=st.integers(16, 24), interval=st.integers(3, 6), rows=st.integers(1, 2), pad=st.integers(1, 4),
        prompt=st.integers(8, 16), seed=st.integers(0, 3))
@@ -244,7 +245,7 @@ PORTED_CASES = [(type(sc).__name__, (lambda sc: lambda prot: Pipeline(*prot, sc,
 
 
 @pytest.mark.parametrize("case", range(len(PORTED_CASES)), ids=[c[0] for c in PORTED_CASES])
-@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(1), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(alloc=st.sampled_from(sorted(ALLOCATORS)), tier=st.sampled_from(sorted(TIERS)), rows=st.integers(1, 2),
        seed=st.integers(0, 3), protect=st.booleans())
 @example(alloc="uniform", tier="host", rows=2, seed=0, protect=True)  # the padded-row check runs for every case
@@ -257,7 +258,7 @@ def test_ported_blocks_in_the_product(case, alloc, tier, rows, seed, protect):
                   seed)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pipes=pipelines(), alloc=st.sampled_from(["uniform", "pyramid", "heads"]), rows=st.integers(1, 2),
        seed=st.integers(0, 3))
 def test_tiers_without_eviction_are_bit_identical(pipes, alloc, rows, seed):
@@ -279,7 +280,7 @@ def test_tiers_without_eviction_are_bit_identical(pipes, alloc, rows, seed):
     assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(8), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pipes=pipelines(), alloc=st.sampled_from(["uniform", "heads"]), tier=st.sampled_from(["evict", "host"]),
        rows=st.integers(1, 2), seed=st.integers(0, 3), active=st.booleans())
 # HeadUtility's floor doubles what the protectors keep of a node: branch a must be long enough to compress

@@ -18,7 +18,7 @@ from kvcompose import BranchCache, KVComposeCache, KVComposeError, Pipeline, Sco
 from kvcompose import attention as kv_attention
 from zoo import PORTED, build, cases, decode, greedy, ids, variant
 
-from helpers import tree_model
+from helpers import examples, tree_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +52,7 @@ def _same(a, b):
     assert all(torch.equal(x, y) for x, y in zip(ka, kb))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(), how=st.sampled_from(["deepcopy", "pickle", "torch.save"]), budget=st.integers(12, 16),
        interval=st.integers(2, 6), prompt=st.integers(2, 12), new=st.integers(0, 14), seed=st.integers(0, 3))
 def test_copy_then_continue_equals_original_then_continue(case, how, budget, interval, prompt, new, seed):
@@ -60,7 +60,7 @@ def test_copy_then_continue_equals_original_then_continue(case, how, budget, int
 
 
 @pytest.mark.parametrize("name", sorted(PORTED))
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(2), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(store=st.sampled_from(["dense", "paged"]), tier=st.sampled_from(["evict", "host", "hierarchy"]),
        how=st.sampled_from(["deepcopy", "pickle", "torch.save"]), budget=st.integers(12, 16),
        interval=st.integers(2, 6), prompt=st.integers(2, 12), new=st.integers(0, 14), seed=st.integers(0, 3))
@@ -150,7 +150,7 @@ def _tree(budget, active, tier, seed):
                        active_budget=16 if active else None, interval=4, seed=seed)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(how=st.sampled_from(["deepcopy", "pickle", "torch.save"]), tier=st.sampled_from(["host", "evict"]),
        active=st.booleans(), seed=st.integers(0, 3), switch_back=st.booleans())
 def test_tree_copy_then_continue_equals_original(how, tier, active, seed, switch_back):

@@ -14,7 +14,7 @@ from kvcompose import HeadUtility, KVComposeCache, methods
 from kvcompose import attention as hook
 from kvcompose.kernels.ref import run_sums, sums_by_index
 from kvcompose.kernels.scores import default_precision
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from kvcompose.selectors import _kept_first
 from kvcompose.stores import PagedStore, PagePool
 

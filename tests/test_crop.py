@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvcompose import BranchCache, KVComposeCache, KVComposeError, methods
 from zoo import PORTED, PRESETS, build, cases, decode, greedy, ids, variant
 
-from helpers import tree_model
+from helpers import examples, tree_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,7 +45,7 @@ def _check_exact(cache, pipe, budget, interval, seq, prompt, end, seed=0, steps=
     assert [layer.events for layer in cache.layers] == [layer.events for layer in fresh.layers] or end == 0
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases(), budget=st.integers(12, 16), interval=st.integers(2, 6), prompt=st.integers(2, 12),
        new=st.integers(6, 20), crop=st.one_of(st.integers(1, 8), st.integers(1, 32)), seed=st.integers(0, 3))
 def test_crop_then_continue_is_a_fresh_run_or_refused(case, budget, interval, prompt, new, crop, seed):
@@ -53,7 +53,7 @@ def test_crop_then_continue_is_a_fresh_run_or_refused(case, budget, interval, pr
 
 
 @pytest.mark.parametrize("name", sorted(PORTED))
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(2), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(store=st.sampled_from(["dense", "paged"]), tier=st.sampled_from(["evict", "host", "hierarchy"]),
        budget=st.integers(12, 16), interval=st.integers(2, 6), prompt=st.integers(2, 12), new=st.integers(6, 20),
        crop=st.one_of(st.integers(1, 8), st.integers(1, 32)), seed=st.integers(0, 3))

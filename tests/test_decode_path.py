@@ -28,7 +28,7 @@ from kvcompose import (BlockGranular, CompressedTier, HeadUtility, Hierarchy, Ho
                        methods)
 from kvcompose import attention_math, path as kpath
 from kvcompose.methods import with_allocator, with_tier
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from kvcompose.stores import PagedStore
 
 pytestmark = pytest.mark.usefixtures("one_thread")

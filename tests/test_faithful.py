@@ -9,7 +9,7 @@ import torch
 
 from helpers import random_view
 from kvcompose import KVComposeCache, LayerSpec, Pipeline, ProtectRecent, TopK, ValueNorm, methods
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 
 
 def kept_positions(pipeline, view, budget):

@@ -201,7 +201,7 @@ def test_run_table_tiny(tmp_path):
     """End to end on a tiny chat model: every row compresses (events at 64 and 128 decoded tokens), the JSON
     and Markdown are written, free generation reports loop statistics."""
     torch.set_num_threads(1)
-    from kvcompose.bench.tiny import save_tiny_chat_model
+    from kvcompose.testing import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model")
     q = tmp_path / "q.jsonl"

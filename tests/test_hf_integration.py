@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from kvcompose import KVComposeCache, KVComposeError, methods
 from kvcompose import attention as kattn
 from kvcompose import compat
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from test_architectures import ReferenceCache, greedy_logits, left_padded, tiny_arch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ from kvcompose.blocks import (  # noqa: E402
     CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore, NonCausalAttention,
     OutputProjection, Rotary,
 )
-from kvcompose.bench.tiny import tiny_model  # noqa: E402
+from kvcompose.testing import tiny_model  # noqa: E402
 from kvcompose.view import LayerView  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

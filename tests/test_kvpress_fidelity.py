@@ -9,7 +9,7 @@ kvpress = pytest.importorskip("kvpress")
 from kvcompose import KVComposeError  # noqa: E402
 from kvcompose.bench.fidelity import Trace, hidden_references  # noqa: E402
 from kvcompose.bench.kvpress_fidelity import evaluate_press_batch, make_press, press_batches  # noqa: E402
-from kvcompose.bench.tiny import tiny_model  # noqa: E402
+from kvcompose.testing import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,7 +59,7 @@ def test_cli_runs_kvpress_in_process_on_the_same_references(tmp_path):
     import json
 
     from kvcompose import cli
-    from kvcompose.bench.tiny import save_tiny_chat_model
+    from kvcompose.testing import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model")
     data = tmp_path / "q.jsonl"

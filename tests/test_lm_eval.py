@@ -12,7 +12,7 @@ import pytest
 lm_eval = pytest.importorskip("lm_eval")
 
 from kvcompose import KVComposeError  # noqa: E402
-from kvcompose.bench.tiny import save_tiny_chat_model, tiny_chat_model  # noqa: E402
+from kvcompose.testing import save_tiny_chat_model, tiny_chat_model  # noqa: E402
 from kvcompose.integrations.lm_eval import KVComposeLM  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from kvcompose import (
 )
 from kvcompose.blocks import CAM, EventClock, MergeSimilar
 from kvcompose.blocks.merging import kept_mask
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 
 
 def _select(view, budget, merger, selector=None, scorer=None, channels=None):

@@ -8,7 +8,7 @@ import torch
 
 from helpers import random_view
 from kvcompose import KVComposeCache, methods
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 
 
 def kept_positions(pipeline, view, budget):

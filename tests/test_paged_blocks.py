@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jaxtyping import TypeCheckError
 
-from helpers import random_view
+from helpers import examples, random_view
 from kvcompose import (
     BlockGranular, BlockProtectValueNorm, KVComposeCache, KVComposeError, Pipeline, ProtectRecent, ProtectValueNorm,
     Pyramid, RequestBlocks, RequestEvent, Sample, TopK, ValueNorm, VotingValueProtect, methods,
 )
 from kvcompose.bench.fidelity import teacher_force_logits
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from kvcompose.bench.traces import Trace
 from kvcompose.kernels import value_magnitude
 from kvcompose.paged_blocks import block_granular, request_pipeline
@@ -54,7 +54,7 @@ def test_block_value_protection_picks_whole_blocks_by_max_range(per_head, seed):
         assert torch.equal(mask[:, 0], mask[:, 1]) and torch.equal(mask[:, 0], mask[:, 2])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(block=st.integers(2, 12), k=st.integers(0, 40), sinks=st.integers(0, 6), recent=st.integers(0, 20),
        per_head=st.booleans(), pad=st.integers(0, 30), seed=st.integers(0, 1000))
 def test_block_value_protection_stays_within_k_whole_blocks(block, k, sinks, recent, per_head, pad, seed):

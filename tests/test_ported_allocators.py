@@ -16,8 +16,8 @@ from kvcompose.blocks import DuoHeads, HeadCurves
 from kvcompose.blocks.duo import streaming_mask
 from kvcompose.blocks.lukv import head_keep_counts
 from kvcompose.head_calibration import calibrate_heads, lukv_prune_curves
-from kvcompose.bench.tiny import save_tiny_chat_model
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import save_tiny_chat_model
+from kvcompose.testing import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

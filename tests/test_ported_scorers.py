@@ -17,7 +17,7 @@ from kvcompose.blocks import (
     CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore, NonCausalAttention,
     OutputProjection, Rotary,
 )
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 
 ROPE = Rotary.default(8, theta=100.0)
 

@@ -11,7 +11,7 @@ import torch
 from helpers import random_view
 from kvcompose import HeadUtility, KeyNorm, KVComposeCache, KVComposeError, PagedStore, Pipeline, TopK, methods
 from kvcompose.blocks import AggregatedAttention, CompositeTokens
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 
 
 def _real(view, b, h):

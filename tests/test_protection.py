@@ -17,7 +17,7 @@ from kvcompose import (
 from kvcompose.protectors import resolve_count
 from zoo import PORTED, PRESETS, variant
 
-from helpers import random_view, tree_model
+from helpers import examples, random_view, tree_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -112,7 +112,7 @@ def _run(pipe, budget, interval, prompt, new, seed):
     return checked
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(sorted(CASES)), tier=st.sampled_from(["evict", "evict", "host", "hierarchy"]),
        store=st.sampled_from(["dense", "paged"]), budget=st.integers(4, 40), interval=st.integers(1, 32),
        prompt=st.integers(1, 40), new=st.integers(1, 60), seed=st.integers(0, 3))
@@ -121,7 +121,7 @@ def test_protections_hold_or_the_constructor_refuses(name, tier, store, budget, 
 
 
 @pytest.mark.parametrize("name", sorted(PORTED))
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(2), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tier=st.sampled_from(["evict", "host", "hierarchy"]), store=st.sampled_from(["dense", "paged"]),
        budget=st.integers(4, 40), interval=st.integers(1, 32), prompt=st.integers(1, 40), new=st.integers(1, 60),
        seed=st.integers(0, 3))
@@ -146,7 +146,7 @@ def test_memory_hierarchy_keeps_the_sinks(interval):
     assert _run(pipe, None, interval, 20, 140, 0) > 0
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(name=st.sampled_from(sorted(CASES)), budget=st.integers(2, 48), t=st.integers(8, 48),
        prompt=st.integers(0, 30), seed=st.integers(0, 5))
 def test_select_keeps_every_protected_token(name, budget, t, prompt, seed):

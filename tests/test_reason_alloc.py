@@ -18,7 +18,7 @@ from kvcompose import KVComposeCache, KVComposeError, ReasoningWave, methods
 from kvcompose.allocators import water_fill
 from kvcompose.calibration import calibrate, find_profile, model_fingerprint, model_id
 from kvcompose.cli import build_parser
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64)

@@ -18,6 +18,7 @@ from transformers import (
     StoppingCriteriaList,
 )
 
+from helpers import examples
 from kvcompose.reco import (
     Boundary,
     ConfidenceReward,
@@ -35,7 +36,7 @@ from kvcompose.reco import (
     split_steps,
 )
 
-HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HYP = settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from helpers import random_view
 from kvcompose import KVComposeCache, KVComposeError, Pipeline, ProtectRecent, TopK, ValueNorm, methods
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from kvcompose.reco import (
     UNREWARDED, Lexicographic, RewardTracker, RewardTrackingProcessor, StepReplay, StepRewardScore, StepSegmenter,
 )

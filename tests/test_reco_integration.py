@@ -1,6 +1,6 @@
 """ReCo wired into the cache and generate(): RewardAllocator, methods.reco, budgets that follow the reward.
 
-Tiny random models (kvcompose.bench.tiny.tiny_model) and fake tokenizers; the step rewards are scripted so the
+Tiny random models (kvcompose.testing.tiny_model) and fake tokenizers; the step rewards are scripted so the
 expected budgets are known exactly.
 """
 
@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import random_view
+from helpers import examples, random_view
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
@@ -18,7 +18,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaL
 from kvcompose import KVComposeCache, KVComposeError, Pipeline, methods
 from kvcompose.allocators import HeadUtility, Pyramid
 from kvcompose.methods.reco import Reco, RewardAllocator
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from kvcompose.stores import PagedStore
 from kvcompose.reco import (
     ConfidenceStopping,
@@ -146,7 +146,7 @@ def model():
 # ------------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     rewards=st.lists(st.floats(0.0, 1.0), min_size=2, max_size=6),
     base=st.integers(1, 2048),

@@ -11,7 +11,7 @@ from kvcompose import (
     HostTier, KeyNorm, KVComposeCache, KVComposeError, Pipeline, ProtectPrompt, ProtectRecent, ProtectSinks, Pyramid,
     RandomDrop, Recency, Sample, TopK, Uniform, ValueNorm, methods,
 )
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from kvcompose.blocks import MergeSimilar
 from kvcompose.paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent
 from kvcompose.reco.eviction import Lexicographic

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcompose import KVComposeError
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from kvcompose.search import CopiedKV, MeanLogProb, SharedKV, Step, TreeSearch, delimiter_token_ids
 from kvcompose.tiers import Evict, HostTier
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcompose import BranchCache, KVComposeCache, KVComposeError, methods
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from kvcompose.scorers import ProjectedNorm
 from kvcompose.seeding import MAX_SEED, SEED_STRIDE, check_seed, derived_seed
 

@@ -19,7 +19,7 @@ from snapkv_kvpress import kvpress_snapkv  # noqa: E402
 from kvcompose import KVComposeCache  # noqa: E402
 from kvcompose.bench.fidelity import Trace, evaluate_batch, hidden_references  # noqa: E402
 from kvcompose.bench.kvpress_fidelity import evaluate_press_batch  # noqa: E402
-from kvcompose.bench.tiny import tiny_model  # noqa: E402
+from kvcompose.testing import tiny_model  # noqa: E402
 from kvcompose.view import FAR_POSITION  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,7 +12,7 @@ import torch
 from kvcompose import KVComposeError, methods
 from kvcompose.bench import speed
 from kvcompose.cache import KVComposeCache
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 KVPRESS_PYTHON = ROOT / ".venv-kvpress" / "bin" / "python"
@@ -98,7 +98,7 @@ def test_decode_interleaved_rows_and_ratios():
 
 def test_bench_speed_cli_report_and_plot(tmp_path):
     from kvcompose import cli
-    from kvcompose.bench.tiny import save_tiny_chat_model
+    from kvcompose.testing import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model")
     out = tmp_path / "speed"
@@ -152,7 +152,7 @@ def test_kvpress_json_parsing(tmp_path):
 def test_bench_speed_merges_reused_kvpress_json(tmp_path):
     """--kvpress-json: kvpress's rows are merged and each analogue row gets kvpress's ratio and ours over it."""
     from kvcompose import cli
-    from kvcompose.bench.tiny import save_tiny_chat_model
+    from kvcompose.testing import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model")
     out = tmp_path / "speed"
@@ -174,7 +174,7 @@ def _kvpress_available() -> bool:
 
 @pytest.mark.skipif(not _kvpress_available(), reason="no .venv-kvpress with kvpress (see docs/kvpress.md)")
 def test_kvpress_speed_runner(tmp_path):
-    from kvcompose.bench.tiny import save_tiny_chat_model
+    from kvcompose.testing import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model")
     prompt = tmp_path / "prompt.json"

@@ -7,7 +7,7 @@ import torch
 
 from kvcompose import KVComposeError
 from kvcompose.bench import throughput as tp
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread

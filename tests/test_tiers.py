@@ -13,7 +13,7 @@ from kvcompose import (
 )
 from kvcompose.attention import attend, build_mask
 from kvcompose.methods import with_tier
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 from kvcompose.selectors import priority_order
 from kvcompose.tiers import quantization_error_bound
 from kvcompose.view import LayerSpec

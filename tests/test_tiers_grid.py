@@ -11,7 +11,7 @@ import torch
 
 from kvcompose import KVComposeCache, methods
 from kvcompose.bench.fidelity import Trace
-from kvcompose.bench.tiny import tiny_model
+from kvcompose.testing import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

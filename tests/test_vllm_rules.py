@@ -13,7 +13,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from helpers import rand_ids, tree_model
+from helpers import examples, rand_ids, tree_model
 from kvcompose import BlockGranular, HostTier, KVComposeCache, Pipeline, RandomDrop, methods
 from kvcompose.integrations.vllm import (CONFIG_KEY, decode_pipeline, engine_kwargs, event_due, request_kwargs,
                                          serve_args)
@@ -106,7 +106,7 @@ def _vllm_events(prompt: int, new: int, budget: int, interval: int) -> list[int]
     return events
 
 
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 @example(prompt=64, budget=32, interval=32, new=100)  # aligned prompt above the budget
 @example(prompt=45, budget=64, interval=32, new=100)  # first interval fits, the second does not
 @given(st.integers(1, 70), st.sampled_from([32, 64]), st.sampled_from([32, 64]), st.integers(1, 100))

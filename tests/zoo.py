@@ -8,7 +8,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvcompose import BlockGranular, HostTier, Hierarchy, CompressedTier, Pipeline, TopK, methods
-from kvcompose.bench.tiny import TINY_PRESETS, greedy_steps
+from kvcompose.testing import TINY_PRESETS, greedy_steps
 from kvcompose.blocks import ExpectedAttention, Rotary
 
 PRESETS = TINY_PRESETS

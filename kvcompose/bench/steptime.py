@@ -35,8 +35,8 @@ __all__ = ["StepTimeConfig", "fill", "time_steps", "run_steptime", "steptime_mar
 
 
 def deep_model(layers: int = 30, width: int = 64, heads: int = 4, kv_heads: int = 2, seed: int = 0):
-    """The deep, narrow random Llama of the per-layer overhead measurement (`kvcompose.bench.tiny.tiny_model`)."""
-    from .tiny import tiny_model
+    """The deep, narrow random Llama of the per-layer overhead measurement (`kvcompose.testing.tiny_model`)."""
+    from ..testing import tiny_model
 
     if width % heads:
         raise KVComposeError(f"width {width} is not a multiple of heads {heads}")

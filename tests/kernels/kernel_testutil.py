@@ -6,6 +6,8 @@ import os
 
 import pytest
 import torch
+
+from helpers import examples
 from hypothesis import HealthCheck, settings
 
 import kvcompose.kernels as K
@@ -43,7 +45,7 @@ SCORE_TOL = {
 #: Hypothesis settings for the parity tests: few, small examples (the interpreter costs
 #: ~1 ms per program).  KV_KERNEL_EXAMPLES=200 runs a longer search.
 FAST = settings(
-    max_examples=int(os.environ.get("KV_KERNEL_EXAMPLES", "20")),
+    max_examples=int(os.environ["KV_KERNEL_EXAMPLES"]) if "KV_KERNEL_EXAMPLES" in os.environ else examples(20),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )

@@ -276,7 +276,7 @@ def test_layer_core_calls_the_paged_kernel():
     """Where the dispatch picks Triton, a paged layer's decode attention runs the paged kernel straight on the
     pages, and gives what the padded path gives."""
     from kvcompose import KVComposeCache, methods
-    from kvcompose.bench.tiny import tiny_model
+    from kvcompose.testing import tiny_model
 
     model = tiny_model("llama", layers=1).to(DEVICE)
     ids = torch.randint(3, 128, (2, 20), generator=gen(1)).to(DEVICE)

@@ -6,9 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcompose.kernels.ref import top_last
+from helpers import examples
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(t=st.integers(1, 40), k=st.integers(1, 40), pad=st.integers(0, 9), levels=st.integers(1, 4),
        seed=st.integers(0, 2**16))
 def test_top_last_breaks_ties_by_the_latest_index_and_ignores_left_padding(t, k, pad, levels, seed):

@@ -12,7 +12,7 @@ import string
 
 import torch
 
-from ..view import KVComposeError
+from .view import KVComposeError
 
 __all__ = ["tiny_model", "tiny_chat_model", "save_tiny_chat_model", "CHATML_TEMPLATE", "ARCHS", "TINY_PRESETS", "greedy_steps"]
 
@@ -99,7 +99,7 @@ def save_tiny_chat_model(path: str | os.PathLike, **kwargs) -> str:
 
 
 def _tiny_presets() -> dict:
-    from .. import methods
+    from . import methods
 
     return {
         "full": lambda: methods.full(),
