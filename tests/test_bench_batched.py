@@ -184,6 +184,7 @@ def test_cli_batches_resumes_and_holds_out(tiny_dir, grouped_questions, tmp_path
     monkeypatch.setattr(fidelity, "evaluate_batch", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert _fid(tiny_dir, grouped_questions, out, *args, "--traces", str(out / "traces.json")) == 0
     assert len(calls) == 1  # the lost batch only
+    assert len(run._read_cell(cell)[1]) == 4  # the rerun's lines start on a line of their own: every trace reads back
     again = {(r["method"], r["budget"]): r for r in json.loads((out / "fidelity.json").read_text())["rows"]}
     assert [p["kl_mean"] for p in again[("h2o", 40)]["per_trace"]] == pytest.approx(
         [p["kl_mean"] for p in h2o["per_trace"]], abs=1e-6)

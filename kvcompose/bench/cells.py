@@ -85,6 +85,13 @@ def _save_scores(path: Path, scores: list, cell: tuple[str, str, int | None]) ->
     from dataclasses import asdict
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and path.stat().st_size:  # a run killed mid-line left no newline: start a fresh line
+        with path.open("rb") as f:
+            f.seek(-1, os.SEEK_END)
+            cut = f.read(1) != b"\n"
+        if cut:
+            with path.open("a") as f:
+                f.write("\n")
     with path.open("a") as f:
         for sc in scores:
             d = asdict(sc)
