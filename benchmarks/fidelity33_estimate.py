@@ -59,7 +59,7 @@ def estimate(args) -> int:
     for f in PIPELINE_FILES:
         custom.update(load_pipelines(f))
     lists = method_lists()
-    names = args.methods or [m for v in lists.values() for m in v]
+    names = [m for m in (args.methods or [m for v in lists.values() for m in v]) if m != "kvpress"]
     per = est.setdefault("per_token", {})
     load = est.setdefault("load", {})
     for m in names:
