@@ -94,18 +94,31 @@ class Job:
         return got >= need
 
 
+_SEEN: dict[Path, tuple[int, int, set]] = {}
+_ID = re.compile(r'"id": ("(?:[^"\\]|\\.)*")')
+
+
+def _ids(p: Path) -> set:
+    """The trace ids of the complete lines of one cell file (cached by size and modification time: the
+    driver looks at every cell file after each job)."""
+    st = p.stat()
+    hit = _SEEN.get(p)
+    if hit is not None and hit[:2] == (st.st_mtime_ns, st.st_size):
+        return hit[2]
+    ids = set()
+    for line in p.read_text().splitlines():
+        m = _ID.search(line[:2000]) if line.endswith("}") else None  # a line cut by a killed run has no "}"
+        if m:
+            ids.add(json.loads(m.group(1)))
+    _SEEN[p] = (st.st_mtime_ns, st.st_size, ids)
+    return ids
+
+
 def _count(path: Path) -> int:
     """Distinct trace ids in the cell file(s) matching `path` (a glob for kvpress, whose engine name has its
     versions in it)."""
-    ids = set()
-    for p in (path.parent.glob(path.name) if "*" in path.name else [path]):
-        if p.exists():
-            for line in p.read_text().splitlines():
-                try:
-                    ids.add(json.loads(line)["id"])
-                except (json.JSONDecodeError, KeyError):
-                    continue
-    return len(ids)
+    files = path.parent.glob(path.name) if "*" in path.name else [path] if path.exists() else []
+    return len(set().union(*(_ids(p) for p in files)))
 
 
 def _safe(method: str, budget) -> str:
@@ -307,9 +320,12 @@ def run(plan: Plan, only: list[str] | None, dry: bool) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     running: dict[str, subprocess.Popen] = {}
     failed: dict[str, int] = {}
+    changed = True
     while True:
-        plan.jobs.clear()
-        plan.build()  # the held-out jobs appear once the target is chosen; finished cells drop out
+        if changed:  # the held-out jobs appear once the target is chosen; finished cells drop out
+            plan.jobs.clear()
+            plan.build()
+            changed = False
         ready = sorted((j for j in plan.jobs.values() if plan.ready(j) and j.name not in running and j.name not in failed
                         and (not only or j.stage in only)), key=lambda j: (STAGES.index(j.stage) if j.stage in
                                                                            ("calib", "traces", "refs") else 3, j.cost))
@@ -318,6 +334,7 @@ def run(plan: Plan, only: list[str] | None, dry: bool) -> int:
             print(f"[{time.strftime('%H:%M:%S')}] start {j.name} (~{j.cost / 60:.0f} min): {' '.join(j.cmd)}", flush=True)
             if dry:
                 failed[j.name] = 0
+                changed = True
                 continue
             log = open(logs / f"{re.sub(r'[^A-Za-z0-9_.+-]+', '_', j.name)}.log", "a")
             running[j.name] = subprocess.Popen(j.cmd, cwd=REPO, env=plan.env(), stdout=log, stderr=subprocess.STDOUT)
@@ -327,6 +344,7 @@ def run(plan: Plan, only: list[str] | None, dry: bool) -> int:
         for name, proc in list(running.items()):
             if proc.poll() is not None:
                 del running[name]
+                changed = True
                 load = os.getloadavg()[0]
                 print(f"[{time.strftime('%H:%M:%S')}] {'done' if proc.returncode == 0 else f'FAILED ({proc.returncode})'} "
                       f"{name} (load {load:.1f})", flush=True)

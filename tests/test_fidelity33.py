@@ -79,3 +79,28 @@ def test_plan_lists_every_cell(tiny_dir, questions, tmp_path, capsys):
     assert "reported:h2o+snapkv " in out and "explore:kvpress-snapkv " in out and "heldout:kvpress:tova " in out
     assert "calib-duo" in out and "calib-lukv" in out and "choose" in out
     assert "estimated CPU time" in out
+
+
+def test_profiled_presets_run_in_the_bench(tiny_dir, questions, tmp_path, monkeypatch):
+    """benchmarks/profiled.py: duo_attention and lukv from `kvcompose calibrate --target duo|lukv` files named by
+    $KVCOMPOSE_DUO_PROFILE / $KVCOMPOSE_LUKV_CURVES, run as bench methods; without the file, a clear error."""
+    import profiled
+
+    from kvcompose import KVComposeError, cli
+
+    with pytest.raises(KVComposeError, match="KVCOMPOSE_DUO_PROFILE"):
+        monkeypatch.delenv("KVCOMPOSE_DUO_PROFILE", raising=False)
+        profiled.duo_attention(64)
+    for target in ("duo", "lukv"):
+        assert cli.main(["calibrate", "--target", target, "--model", tiny_dir, "--data", questions, "--offset", "0",
+                         "--n", "2", "--new-tokens", "32", "--out", str(tmp_path / f"{target}.json")]) == 0
+    monkeypatch.setenv("KVCOMPOSE_DUO_PROFILE", str(tmp_path / "duo.json"))
+    monkeypatch.setenv("KVCOMPOSE_LUKV_CURVES", str(tmp_path / "lukv.json"))
+    out = tmp_path / "run"
+    assert cli.main(["bench", "fidelity", "--model", tiny_dir, "--data", questions, "--new-tokens", "24", "--kinds",
+                     "sampled", "--budgets", "40", "--interval", "8", "--short-budgets", "--free-gen-prompts", "0",
+                     "--groups", "1", "--group-size", "2", "--batch-size", "2", "--no-recall",
+                     "--pipelines", profiled.__file__, "--methods", "duo_attention", "lukv", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads((out / "fidelity.json").read_text())["rows"]}
+    assert set(rows) == {"duo_attention", "lukv"} and all(r["n_traces"] == 2 and "error" not in r for r in rows.values())
+    assert rows["duo_attention"]["pipeline"].startswith("duo_attention") and "lukv" in rows["lukv"]["pipeline"]
