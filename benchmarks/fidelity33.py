@@ -145,11 +145,26 @@ class Plan:
     # -- environment --------------------------------------------------------------------------------------
     def _has_kvpress(self) -> str:
         py = self.a.python
+        self.transformers = "?"
         if not Path(py).exists():
             return f"{py} does not exist"
-        r = subprocess.run([py, "-c", "import kvpress, transformers; print(transformers.__version__)"],
-                           capture_output=True, text=True)
+        r = subprocess.run([py, "-c", "import transformers; print(transformers.__version__)"], capture_output=True,
+                           text=True)
+        self.transformers = r.stdout.strip() if r.returncode == 0 else "?"
+        r = subprocess.run([py, "-c", "import kvpress"], capture_output=True, text=True)
         return "" if r.returncode == 0 else f"no kvpress in {py}"
+
+    def check_env(self) -> None:
+        """One transformers version for the whole run: cells and references of another would mix in the tables."""
+        f = self.root / "environment.json"
+        if f.exists():
+            was = json.loads(f.read_text())["transformers"]
+            if was != self.transformers and not self.a.force:
+                raise SystemExit(f"{self.root} was run with transformers {was}, {self.a.python} has {self.transformers}: "
+                                 "use the same environment (or --force)")
+        else:
+            self.root.mkdir(parents=True, exist_ok=True)
+            f.write_text(json.dumps({"transformers": self.transformers, "kvpress": not self.kvpress}))
 
     def env(self) -> dict[str, str]:
         e = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
@@ -391,6 +406,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", choices=STAGES, default=None, help="run only these stages")
     p.add_argument("--dry-run", action="store_true", help="print the commands run would start")
     p.add_argument("--poll", type=float, default=5.0, help=argparse.SUPPRESS)
+    p.add_argument("--force", action="store_true", help="run under another transformers than the folder's first run")
     p.add_argument("--estimate", default=str(REPO / "docs" / "results" / "fidelity33" / "estimate.json"),
                    help="timed sample the plan's costs come from (written by the estimate command)")
     p.add_argument("--tables-out", default=str(REPO / "docs" / "results" / "fidelity33"))
@@ -406,6 +422,7 @@ def main(argv=None) -> int:
     if args.command == "plan":
         plan.show()
         return 0
+    plan.check_env()
     return run(plan, args.only, args.dry_run)
 
 

@@ -64,6 +64,11 @@ def test_driver_runs_every_stage_and_resumes(tiny_dir, questions, tmp_path, caps
     again = _read_cell(cell)[1]
     assert len(again) == 2 and again[first["id"]].kl == pytest.approx(first["kl"], abs=1e-6)
 
+    env = root / "environment.json"  # another transformers would mix its cells with these: refused
+    env.write_text(json.dumps({**json.loads(env.read_text()), "transformers": "0.0"}))
+    with pytest.raises(SystemExit, match="transformers 0.0"):
+        fidelity33.main(["run", *args])
+
 
 def test_plan_lists_every_cell(tiny_dir, questions, tmp_path, capsys):
     """Without a chosen target the held-out pipeline waits for `choose`; every preset, ported preset,
