@@ -5,7 +5,11 @@
 process on the same traces, interleaved (single, batch, single, ...), with the 1-minute load average noted.
 
 CPU seconds per prompt (`time.process_time`, what the run costs the machine whatever else runs on it) and
-wall seconds per prompt are both reported; ratios are against the single-trace run of the same round.
+wall seconds per prompt are both reported; ratios are against the single-trace run of the same round, and
+against the single run plus its own full-cache reference (`_reference`, which the single-trace bench recomputes
+in every cell once 32 long traces overflow its 1.5 GB cache). `--direct` adds the batch scored the way it was
+before issue 33 (the references' log-probs recomputed per chunk, row by row); `--profile` writes the top of a
+cProfile of one single run and one batch to OUT.profile.txt.
 
     KVCOMPOSE_GSM8K=... python benchmarks/fidelity_cost.py --traces runs/traces_chosen.json --batch 8 \\
         --rounds 2 --out docs/results/fidelity_cost
@@ -53,6 +57,8 @@ def main(argv=None) -> int:
     p.add_argument("--kvpress", action="store_true", help="also kvpress's DecodingPress(SnapKVPress(16))")
     p.add_argument("--one-token", action="store_true", help="also kvcompose one token per forward (chunk 1)")
     p.add_argument("--tokens", type=int, default=0, help="score the first N trace tokens of each trace (0 = all)")
+    p.add_argument("--direct", action="store_true", help="also the batch scored the pre-issue-33 way (direct)")
+    p.add_argument("--profile", action="store_true", help="write OUT.profile.txt (cProfile, top entries)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True, help="output path without suffix (.json and .md are written)")
     args = p.parse_args(argv)
@@ -65,6 +71,8 @@ def main(argv=None) -> int:
     if len({len(t.prompt_ids) for t in items}) != 1:
         sys.exit("the first --batch traces must have one prompt length (kvpress cannot batch padding)")
     refs = hidden_references(model, items, batch_size=len(items))
+    for r in refs:  # the scoring statistics, computed once per trace (saved with --references in the bench)
+        r.reference_stats(model)
     pipe = make_pipeline(args.method, args.budget)
     make = lambda: KVComposeCache(model, pipe, budget=args.budget)  # noqa: E731
     rows = []
@@ -85,7 +93,15 @@ def main(argv=None) -> int:
             record("kvcompose", "single (chunk = interval)", 1, cpu, wall, load)
         _, cpu, wall, load = _timed(lambda: evaluate_batch(model, items, make, references=refs))
         record("kvcompose", f"batch of {len(items)} (chunk = interval)", len(items), cpu, wall, load)
-        _, cpu, wall, load = _timed(lambda: hidden_references(model, items, batch_size=len(items)))
+        if args.direct:
+            from kvcompose.bench import scoring
+
+            head, scoring.linear_head = scoring.linear_head, lambda model: None
+            _, cpu, wall, load = _timed(lambda: evaluate_batch(model, items, make, references=refs))
+            scoring.linear_head = head
+            record("kvcompose", f"direct: batch of {len(items)}, scored as before", len(items), cpu, wall, load)
+        _, cpu, wall, load = _timed(lambda: [r.reference_stats(model) for r in
+                                             hidden_references(model, items, batch_size=len(items))])
         record("kvcompose", f"references, batch of {len(items)}", len(items), cpu, wall, load)
         if args.one_token:
             _, cpu, wall, load = _timed(lambda: evaluate_trace(model, items[0], make(), chunk=1))
@@ -111,11 +127,35 @@ def main(argv=None) -> int:
         if s and b:
             summary[engine] = {"single": s, "batch": b, "cpu_ratio": b["cpu_s_per_prompt"] / s["cpu_s_per_prompt"],
                                "wall_ratio": b["wall_s_per_prompt"] / s["wall_s_per_prompt"]}
+    s, ref, b = mean("kvcompose", "single (chunk"), mean("kvcompose", "references, single"), mean("kvcompose", "batch of")
+    if s and ref and b:
+        both = s["cpu_s_per_prompt"] + ref["cpu_s_per_prompt"]
+        summary["kvcompose vs single + its reference"] = {"cpu_ratio": b["cpu_s_per_prompt"] / both}
+    d = mean("kvcompose", "direct")
+    if s and d:
+        summary["kvcompose, scored as before issue 33"] = {"cpu_ratio": d["cpu_s_per_prompt"] / s["cpu_s_per_prompt"]}
     if args.one_token:
         s, b = mean("kvcompose", "single (one"), [r for r in rows if "one token" in r["mode"] and "batch" in r["mode"]]
         if s and b:
             summary["kvcompose one token per forward"] = {
                 "single": s, "cpu_ratio": (sum(r["cpu_s_per_prompt"] for r in b) / len(b)) / s["cpu_s_per_prompt"]}
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+
+        text = []
+        for name, fn in (("single", lambda: evaluate_trace(model, items[0], make())),
+                         (f"batch of {len(items)}", lambda: evaluate_batch(model, items, make, references=refs))):
+            prof = cProfile.Profile()
+            prof.enable()
+            fn()
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
+            text.append(f"===== {name} (load {_load():.1f})\n{buf.getvalue()}")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{args.out}.profile.txt").write_text("\n".join(text))
     out = {"command": "python benchmarks/fidelity_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "versions": versions(), "method": args.method, "budget": args.budget, "batch": len(items),
            "trace_tokens": len(items[0].trace_ids), "prompt_tokens": len(items[0].prompt_ids), "threads": args.threads,

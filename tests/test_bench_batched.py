@@ -184,6 +184,7 @@ def test_cli_batches_resumes_and_holds_out(tiny_dir, grouped_questions, tmp_path
     monkeypatch.setattr(fidelity, "evaluate_batch", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert _fid(tiny_dir, grouped_questions, out, *args, "--traces", str(out / "traces.json")) == 0
     assert len(calls) == 1  # the lost batch only
+    assert len(run._read_cell(cell)[1]) == 4  # the rerun's lines start on a line of their own: every trace reads back
     again = {(r["method"], r["budget"]): r for r in json.loads((out / "fidelity.json").read_text())["rows"]}
     assert [p["kl_mean"] for p in again[("h2o", 40)]["per_trace"]] == pytest.approx(
         [p["kl_mean"] for p in h2o["per_trace"]], abs=1e-6)
@@ -242,3 +243,55 @@ def test_no_recall_skips_the_probe_only(tiny_dir, grouped_questions, tmp_path):
     assert rows[0]["recall_delta"] is not None and rows[1]["recall_delta"] is None
     assert [p["kl_mean"] for p in rows[1]["per_trace"]] == pytest.approx([p["kl_mean"] for p in rows[0]["per_trace"]],
                                                                           abs=1e-6)
+
+
+# ------------------------------------------------------------------------------ scoring from reference statistics
+@pytest.mark.parametrize("top", [3, 64])
+def test_scores_from_reference_statistics_equal_the_direct_scores(monkeypatch, top):
+    """RowScores with a linear head scores from `ReferenceStats` (the reference's log-probs are never
+    recomputed) and gives the direct computation's KL, top-1 and NLL; with a head bias, and with few top
+    tokens (`top` 3: most of the distribution goes through the tail term)."""
+    from kvcompose.bench import scoring
+
+    model = tiny_model("llama", layers=2, seed=8, vocab=256)
+    head = model.get_output_embeddings()
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.copy_(torch.randn(head.out_features, generator=torch.Generator().manual_seed(0)))
+    model.set_output_embeddings(biased)
+    traces = [_trace(11, 10, vocab=256), _trace(12, 15, vocab=256)]
+    make = lambda: KVComposeCache(model, methods.h2o(), budget=BUDGET, interval=INTERVAL)  # noqa: E731
+    monkeypatch.setattr(scoring, "TOP", top)
+    refs = hidden_references(model, traces, batch_size=2)
+    with monkeypatch.context() as m:
+        m.setattr(scoring.HiddenReference, "logp", lambda *a: pytest.fail("reference log-probs recomputed"))
+        fast = evaluate_batch(model, traces, make, references=refs)
+    assert refs[0].stats is not None and refs[0].stats.idx.shape == (40, top)
+    monkeypatch.setattr(scoring, "linear_head", lambda model: None)
+    direct = evaluate_batch(model, traces, make, references=refs)
+    for f, d in zip(fast, direct):
+        assert f.kl == pytest.approx(d.kl, abs=1e-6)
+        assert f.top1 == d.top1
+        assert f.nll == pytest.approx(d.nll, abs=1e-5)
+    assert max(max(f.kl) for f in fast) > 1e-3  # h2o at budget 16 changed the output
+
+
+def test_reference_files_keep_their_statistics(tmp_path):
+    """`references_for` saves each reference with its statistics and reloads both; a file of an older run
+    (hidden states only) gets its statistics added."""
+    from kvcompose.bench.cells import references_for
+
+    model = tiny_model("llama", layers=2, seed=9)
+    traces = [_trace(13, 10, n=24), _trace(14, 10, n=24)]
+    first = references_for(model, traces, tmp_path, "tiny", "float32", log=lambda *a: None)
+    files = sorted(tmp_path.glob("*.pt"))
+    assert len(files) == 2 and all("stats_expect" in torch.load(f, weights_only=True) for f in files)
+    again = references_for(model, traces, tmp_path, "tiny", "float32", log=lambda *a: pytest.fail("recomputed"))
+    for t in traces:
+        assert torch.equal(again[t.id].stats.expect, first[t.id].stats.expect)
+        assert torch.equal(again[t.id].hidden, first[t.id].hidden)
+    d = torch.load(files[0], weights_only=True)
+    torch.save({k: d[k] for k in ("hidden", "nll", "recall")}, files[0])  # as an older run wrote it
+    references_for(model, traces, tmp_path, "tiny", "float32", log=lambda *a: pytest.fail("recomputed"))
+    assert "stats_expect" in torch.load(files[0], weights_only=True)

@@ -143,6 +143,26 @@ def test_chunked_teacher_forcing_equals_one_token_steps(name, kwargs):
     assert (full - steps).abs().max() > 1e-3
 
 
+def test_cam_merges_in_chunks_as_in_one_token_steps():
+    """CaM's decoding attention (DecodeAttention) accumulates over a chunk of decoded tokens what one-token
+    steps accumulate: the same kept positions and logits; and it merges (its logits are not those of H2O, its
+    base: before the fix a chunked run never merged and gave exactly H2O's numbers)."""
+    model = tiny_model("llama", seed=1)
+    trace = _trace(3, prompt=10, n=40)
+
+    def make(pipe):
+        return KVComposeCache(model, pipe, budget=12, interval=6, seed=2)
+
+    chunked_cache, step_cache, h2o_cache = make(methods.cam(window=4)), make(methods.cam(window=4)), make(methods.h2o())
+    chunked = teacher_force_logits(model, trace, chunked_cache)  # chunk = interval
+    steps = teacher_force_logits(model, trace, step_cache, chunk=1)
+    h2o = teacher_force_logits(model, trace, h2o_cache)
+    assert chunked_cache.layers[0].events == step_cache.layers[0].events > 3
+    assert torch.equal(chunked_cache.kept_positions(1), step_cache.kept_positions(1))
+    assert torch.allclose(chunked, steps, atol=1e-4, rtol=1e-4)
+    assert (chunked - h2o).abs().max() > 1e-3
+
+
 def test_chunk_must_divide_interval():
     model = tiny_model("llama")
     cache = KVComposeCache(model, methods.h2o(), budget=16, interval=8)

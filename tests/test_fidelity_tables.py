@@ -75,3 +75,32 @@ def test_tables_verdicts(tmp_path, capsys):
     assert target[0]["ratio"] == pytest.approx(0.6 / 0.95)
     main = (tmp_path / "out" / "main.md").read_text()
     assert "| kvpress | snapkv |" in main and "[" in main
+
+
+def test_leaders_choose_one_pipeline_for_every_budget(tmp_path):
+    """Three budgets: `a` leads at 128 and 256 but trails at 512, `b` is at 0.65x kvpress's best everywhere: `b`
+    is the choice (lowest worst ratio; the kvpress-snapkv emulation, lower still, is listed but not a
+    candidate), the leaders table says who leads where, the target table says yes at every budget, and the
+    composition table has a 512 column."""
+    kvp = "kvpress 0.5.5 / transformers 5.2.0"
+    base = [0.010, 0.020, 0.015, 0.030, 0.012, 0.018, 0.025, 0.011]
+    sc = lambda f: [f * x for x in base]  # noqa: E731
+    rows = []
+    for b, a in ((128, 0.5), (256, 0.5), (512, 0.9)):
+        rows += [("kvcompose", "a", b, sc(a)), ("kvcompose", "b", b, sc(0.65)), (kvp, "snapkv", b, sc(1.0)),
+                 (kvp, "tova", b, sc(1.3)), ("kvcompose", "h2o", b, sc(1.0)), ("kvcompose", "snapkv", b, sc(1.1)),
+                 ("kvcompose", "h2o+snapkv", b, sc(0.8)), ("kvcompose", "kvpress-snapkv", b, sc(0.4))]
+    run = _run(tmp_path / "r", rows)
+    choice = tmp_path / "choice.json"
+    assert fidelity_tables.main(["--runs", run, "--target", "b", "--out", str(tmp_path / "out"),
+                                 "--choose", str(choice)]) == 0
+    assert json.loads(choice.read_text())["target"] == "b"
+    lead = (tmp_path / "out" / "leaders.md").read_text()
+    assert "B=128: kvpress-snapkv leads (0.40x snapkv)" in lead and "| 128 | a | 0.50" in lead  # listed, not chosen
+    assert "B=512: kvpress-snapkv leads" in lead and "| 512 | b | 0.65" in lead
+    assert "**b** (worst ratio 0.65x" in lead
+    target = (tmp_path / "out" / "target.md").read_text()
+    assert "**yes**" in target and "at 3 of 3 budgets" in target
+    comp = json.loads((tmp_path / "out" / "compositions.json").read_text())["rows"]
+    assert {(r["composition"], r["budget"]) for r in comp} >= {("h2o+snapkv", 512)}
+    assert "(n=" not in (tmp_path / "out" / "main.md").read_text()  # 8 prompts is every prompt of these rows

@@ -207,3 +207,40 @@ def test_merging_with_hierarchy_paged_and_block_granular():
                  Pipeline(RandomDrop(), CAM(window=4))):
         logits, cache = _gen(pipe, rows=2)
         assert torch.isfinite(logits).all() and cache.stats.compress_calls > 0
+
+
+# ------------------------------------------------------------------------------------------ DecodeAttention
+def _steps(seed=0, b=2, h=2, g=2, d=8, prompt=(5, 3), decoded=4):
+    """A left-padded batch (prompts of `prompt` tokens, padded to the longest) decoding `decoded` tokens: the
+    attention steps of the prompt, of the decoded tokens as one chunk, and of each decoded token alone."""
+    from kvcompose.view import AttentionStep
+
+    gen = torch.Generator().manual_seed(seed)
+    w = max(prompt)
+    t = w + decoded
+    keys = torch.randn(b, h, t, d, generator=gen)
+    queries = torch.randn(b, h * g, t, d, generator=gen)
+    pos = torch.arange(t).expand(b, h, t)
+    valid = torch.stack([torch.arange(t) >= w - p for p in prompt])[:, None].expand(b, h, t)
+
+    def step(lo, hi):  # queries lo..hi-1 over keys 0..hi-1, causal, padding masked
+        mask = (pos[:, :, None, :hi] <= torch.arange(lo, hi)[:, None]) & valid[:, :, None, :hi]
+        return AttentionStep(queries[:, :, lo:hi], keys[:, :, :hi], pos[:, :, :hi], valid[:, :, :hi], mask, d**-0.5)
+
+    return step(0, w), step(w, t), [step(i, i + 1) for i in range(w, t)], w
+
+
+def test_decode_attention_skips_the_prompt_and_sums_a_chunk_as_one_token_steps():
+    from kvcompose.blocks import DecodeAttention
+
+    obs = DecodeAttention()
+    prefill, chunk, singles, w = _steps()
+    b, h, t = prefill.valid.shape
+    assert torch.equal(obs.observe(torch.zeros(b, h, t), prefill), torch.zeros(b, h, t))  # padded rows too
+    state = torch.zeros(b, h, w)
+    for s in singles:  # one token per forward: the state grows by the new token's slot (0) each time
+        state = obs.observe(torch.cat([state, torch.zeros(b, h, 1)], -1), s)
+    chunked = obs.observe(torch.zeros(b, h, chunk.keys.shape[2]), chunk)
+    assert torch.allclose(chunked, state, atol=1e-6)
+    assert state.sum() > 1.0  # every decoded query added its attention
+    assert torch.allclose(chunked.sum(-1), torch.full((b, h), float(len(singles))), atol=1e-5)

@@ -29,6 +29,7 @@ def references_for(model, traces: list[Trace], store: str | os.PathLike | None, 
     trace's tokens) or computed with `hidden_references` (batched over equal prompt lengths) and saved there."""
     from .fidelity import HiddenReference, hidden_references
     from .kvpress_fidelity import press_batches
+    from .scoring import ReferenceStats, linear_head
 
     out: dict[str, Any] = {}
     todo = []
@@ -37,7 +38,10 @@ def references_for(model, traces: list[Trace], store: str | os.PathLike | None, 
         f = folder / f"{_trace_key(model_name, dtype, t)}.pt" if folder else None
         if f is not None and f.exists():
             d = torch.load(f, weights_only=True)
-            out[t.id] = HiddenReference(hidden=d["hidden"], nll=d["nll"], recall=d["recall"])
+            stats = ReferenceStats.from_dict(d)
+            out[t.id] = HiddenReference(hidden=d["hidden"], nll=d["nll"], recall=d["recall"], stats=stats)
+            if stats is None and linear_head(model) is not None:  # a file of an older run: add its statistics
+                _save(f, out[t.id], model)
         else:
             todo.append(t)
     if todo:
@@ -47,12 +51,22 @@ def references_for(model, traces: list[Trace], store: str | os.PathLike | None, 
                 out[t.id] = ref
                 if folder is not None:
                     folder.mkdir(parents=True, exist_ok=True)
-                    f = folder / f"{_trace_key(model_name, dtype, t)}.pt"
-                    tmp = f.with_suffix(".tmp")
-                    torch.save({"hidden": ref.hidden, "nll": ref.nll, "recall": ref.recall}, tmp)
-                    os.replace(tmp, f)
+                    _save(folder / f"{_trace_key(model_name, dtype, t)}.pt", ref, model)
         log(f"full-cache references of {len(todo)} traces in {time.perf_counter() - t0:.0f}s")
     return out
+
+
+def _save(f: Path, ref, model) -> None:
+    """Write a reference (and, for a model with a linear head, its `ReferenceStats`: computed once, reused by
+    every later run) atomically."""
+    from .scoring import linear_head
+
+    d = {"hidden": ref.hidden, "nll": ref.nll, "recall": ref.recall}
+    if linear_head(model) is not None:
+        d.update(ref.reference_stats(model).to_dict())
+    tmp = f.with_suffix(f".{os.getpid()}.tmp")  # processes sharing the folder never write one file
+    torch.save(d, tmp)
+    os.replace(tmp, f)
 
 
 # ------------------------------------------------------------------------------------------ cells (resume)
@@ -71,6 +85,13 @@ def _save_scores(path: Path, scores: list, cell: tuple[str, str, int | None]) ->
     from dataclasses import asdict
 
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and path.stat().st_size:  # a run killed mid-line left no newline: start a fresh line
+        with path.open("rb") as f:
+            f.seek(-1, os.SEEK_END)
+            cut = f.read(1) != b"\n"
+        if cut:
+            with path.open("a") as f:
+                f.write("\n")
     with path.open("a") as f:
         for sc in scores:
             d = asdict(sc)

@@ -52,6 +52,7 @@ from .metrics import (
     BOOTSTRAP_RESAMPLES, bootstrap_mean, extract_answer, gsm8k_answer, kl_divergence, perplexity_ratio, top1_agreement,
 )
 from .freegen import FreeGenResult, FreeGenRow, free_generation
+from .scoring import HiddenReference, ReferenceStats, RowScores, head_logits, linear_head
 from .traces import RECALL_INSTRUCTION, RepetitionGuard, Trace, _device, make_traces, prompt_ids, recall_ids
 
 __all__ = [
@@ -59,7 +60,7 @@ __all__ = [
     "load_questions", "make_traces", "evaluate", "free_generation", "extract_answer", "gsm8k_answer",
     "kl_divergence", "top1_agreement", "perplexity_ratio", "recall_ids", "teacher_force_logits", "evaluate_trace",
     "clear_reference_cache", "RECALL_INSTRUCTION", "evaluate_batch", "hidden_references", "HiddenReference",
-    "head_logits",
+    "head_logits", "RowScores", "ReferenceStats", "linear_head",
 ]
 
 _prompt_ids = prompt_ids  # the old private name, still used by benchmark scripts
@@ -360,35 +361,6 @@ def _decoder(model):
     return dec
 
 
-def head_logits(model, hidden: Tensor) -> Tensor:
-    """The model's output logits (float32) from final hidden states `[..., hidden]`: the output embedding,
-    then the final logit soft-capping of the config if it has one (Gemma 2)."""
-    logits = model.get_output_embeddings()(hidden).float()
-    cap = getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
-                  "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
-
-
-@dataclass
-class HiddenReference:
-    """The full cache's run of one trace, kept as final hidden states (85x smaller than log-probs for
-    SmolLM2's 49k vocabulary); `logp(start, n)` recomputes the log-probs of positions `start .. start+n`
-    through the output head (`head_logits`).
-
-    Attributes: `hidden` `[T, hidden]` float32 (row t predicts `trace_ids[t]`), `nll` `[T]`, `recall` (the
-    recall probe's mean log-prob of the question, or None)."""
-
-    hidden: Tensor
-    nll: Tensor
-    recall: float | None
-
-    def logp(self, model, start: int, n: int) -> Tensor:
-        h = self.hidden[start : start + n].to(device=_device(model), dtype=model.dtype)
-        return torch.log_softmax(head_logits(model, h), dim=-1).cpu()
-
-
 def _pad_left(rows: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor, Tensor]:
     """(ids [B, W], 2-D mask [B, W], position ids [B, W]) of left-padded rows."""
     width = max(len(r) for r in rows)
@@ -451,27 +423,6 @@ def _check_head(model, logits: Tensor, hidden: Tensor) -> None:
             f"{type(model).__name__}: its logits are not the output embedding of the decoder's last hidden "
             f"state (max difference {float((mine - logits.float()).abs().max()):.2e}); batched teacher forcing "
             "does not support this model")
-
-
-class RowScores:
-    """Per-row top-1 agreement and KL against the references, and the NLL of each trace token, gathered chunk by
-    chunk: `score(start, hidden)` scores `hidden` `[B, n, D]`, whose row b predicts `traces[b].trace_ids[start:]`."""
-
-    def __init__(self, model, traces: list[Trace], references: list[HiddenReference]):
-        self.model, self.references = model, references
-        self.targets = [torch.tensor(t.trace_ids) for t in traces]
-        self.top1: list[list[float]] = [[] for _ in traces]
-        self.kl: list[list[float]] = [[] for _ in traces]
-        self.nll: list[list[float]] = [[] for _ in traces]
-
-    def __call__(self, start: int, hidden: Tensor) -> None:
-        n = hidden.shape[1]
-        for b, tgt in enumerate(self.targets):
-            lp = torch.log_softmax(head_logits(self.model, hidden[b]), dim=-1).cpu()
-            lr = self.references[b].logp(self.model, start, n)
-            self.top1[b].extend(top1_agreement(lr, lp).tolist())
-            self.kl[b].extend(kl_divergence(lr, lp).tolist())
-            self.nll[b].extend((-lp.gather(1, tgt[start : start + n, None])[:, 0]).tolist())
 
 
 @torch.no_grad()

@@ -21,26 +21,29 @@ __all__ = ["CAM", "DecodeAttention", "EventClock"]
 
 class DecodeAttention(Block):
     """Token state: the softmax attention every decoding query gave each held key, averaged over its query group
-    and summed over the steps (CaM's `A`). Forwards with more than one query (the prefill) are skipped, as
-    kvpress's CAMPress starts its running sum at the first decoding step."""
+    and summed over the steps (CaM's `A`). The prompt's forward is skipped, as kvpress's CAMPress starts its
+    running sum at the first decoding step.
+
+    A forward of Q queries adds what Q one-token forwards would (each query's softmax over the keys its mask
+    lets it see), so a chunk of decoded tokens, as the fidelity bench feeds them, accumulates the same state
+    as decoding them one by one. The prompt is told apart per row without a host sync: it is the forward
+    whose attended keys are all its own new tokens (no valid key older than the step's Q newest positions)."""
 
     token_state = 1
 
     def observe(self, state: Float[Tensor, "B H T"], step: AttentionStep) -> Float[Tensor, "B H T"]:
         queries, keys = step.queries, step.keys
-        if queries.shape[2] != 1:
-            return state
-        b, hq, _, d = queries.shape
+        b, hq, q, d = queries.shape
         h = keys.shape[1]
         g = hq // h
-        logits = torch.einsum("bhgd,bhtd->bhgt", queries.float().reshape(b, h, g, d), keys.float()) * step.scale
-        seen = step.valid if step.mask is None else step.valid & step.mask[:, :, 0]
+        logits = torch.einsum("bhgqd,bhtd->bhgqt", queries.float().reshape(b, h, g, q, d), keys.float()) * step.scale
+        seen = step.valid[:, :, None, :] if step.mask is None else step.valid[:, :, None, :] & step.mask  # [B, H, Q|1, T]
         logits = logits.masked_fill(~seen[:, :, None], float("-inf"))
-        return state + torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(2)
-
-    def __repr__(self) -> str:
-        return "DecodeAttention()"
-
+        add = torch.softmax(logits, dim=-1).nan_to_num(0.0).mean(2).sum(2)  # [B, H, T]
+        # decoding iff some valid key is older than the step's own q tokens (positions q below the newest)
+        newest = torch.where(step.valid, step.positions, torch.full_like(step.positions, -1)).amax(-1, keepdim=True)
+        decoding = (step.valid & (step.positions <= newest - q)).any(-1, keepdim=True)  # [B, H, 1]
+        return state + add * decoding
 
 class EventClock(Block):
     """Layer state: per row, the tokens seen at the layer's last compression event (the prompt length before the
