@@ -17,8 +17,8 @@ from helpers import examples, rand_ids, tree_model
 from kvcompose import BlockGranular, HostTier, KVComposeCache, Pipeline, RandomDrop, methods
 from kvcompose.integrations.vllm import (CONFIG_KEY, decode_pipeline, engine_kwargs, event_due, request_kwargs,
                                          serve_args)
-from kvcompose.integrations.vllm.rules import (Settings, blocks_to_free, engine_settings, kept_row, layer_seed,
-                                               request_settings)
+from kvcompose.integrations.vllm.rules import (Settings, blocks_to_free, engine_limits, engine_settings, kept_row,
+                                               layer_seed, request_settings)
 from kvcompose.integrations.vllm.runtime import PagedLayout, Runtime
 from kvcompose.view import KVComposeError, LayerView
 
@@ -45,18 +45,19 @@ def test_engine_kwargs_carry_a_pipeline_object_and_do_not_import_vllm():
 
 def test_presets_by_name_and_request_overrides():
     cfg = engine_kwargs("snapkv", 256, preset_args={"window": 16})["additional_config"][CONFIG_KEY]
-    base = engine_settings(cfg, BS)
-    assert base.pipeline.query_window == 16 and base.interval == 64
-    assert request_settings(None, BS, base) is base
-    r = request_settings(request_kwargs(budget=128), BS, base)
+    engine = engine_limits(cfg, BS)
+    base = engine.base
+    assert base.pipeline.query_window == 16 and base.interval == 64 and engine.query_window == 64
+    assert request_settings(None, engine) is base
+    r = request_settings(request_kwargs(budget=128), engine)
     assert (r.budget, r.interval, repr(r.pipeline)) == (128, 64, repr(base.pipeline))
-    r = request_settings(request_kwargs("rkv", 96, seed=3), BS, base)
+    r = request_settings(request_kwargs("rkv", 96, seed=3), engine)
     assert (r.budget, r.interval, r.seed) == (96, 128, 3)
-    r = request_settings(request_kwargs(methods.vase(), 128, interval=32), BS, base)
+    r = request_settings(request_kwargs(methods.vase(), 128, interval=32), engine)
     assert r.pipeline.query_window == 64 and r.interval == 32
-    as_json = request_settings({CONFIG_KEY: '{"preset": "rkv", "budget": 96, "seed": 3}'}, BS, base)  # vllm_xargs
+    as_json = request_settings({CONFIG_KEY: '{"preset": "rkv", "budget": 96, "seed": 3}'}, engine)  # vllm_xargs
     assert (as_json.budget, as_json.interval, as_json.seed) == (96, 128, 3)
-    full = request_settings(request_kwargs("full"), BS, base)
+    full = request_settings(request_kwargs("full"), engine)
     assert not full.compresses and full.budget is None
     flags = serve_args("rkv", 512)
     assert "--additional-config" in flags and '"preset": "rkv"' in flags[flags.index("--additional-config") + 1]
@@ -83,11 +84,11 @@ def test_refusals_name_the_problem(kw, match):
 
 
 def test_request_settings_are_checked():
-    base = engine_settings(engine_kwargs("full")["additional_config"][CONFIG_KEY], BS)
+    engine = engine_limits(engine_kwargs("full")["additional_config"][CONFIG_KEY], BS)
     with pytest.raises(KVComposeError, match="whole number"):
-        request_settings({CONFIG_KEY: {"preset": "rkv", "budget": 100}}, BS, base)
+        request_settings({CONFIG_KEY: {"preset": "rkv", "budget": 100}}, engine)
     with pytest.raises(KVComposeError, match="unknown kvcompose settings"):
-        request_settings({CONFIG_KEY: {"preset": "rkv", "budget": 128, "bugdet": 1}}, BS, base)
+        request_settings({CONFIG_KEY: {"preset": "rkv", "budget": 128, "bugdet": 1}}, engine)
     with pytest.raises(KVComposeError, match="observes"):
         request_kwargs("h2o", 128)
 
