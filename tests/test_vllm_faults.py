@@ -98,7 +98,7 @@ def _expected(cfg) -> str | None:
     return None
 
 
-@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @example(cfg={"seed": "3"})  # issue 29: each of these killed the engine for every request in flight
 @example(cfg={"seed": 2**60})
 @example(cfg=[])
@@ -152,7 +152,7 @@ def test_aborts_and_a_paused_engine_leave_no_state_behind(engine):
     def add(tag: str, n: int) -> list[str]:
         ids = [f"{tag}-{i}" for i in range(n)]
         for i, rid in enumerate(ids):
-            eng.add_request(rid, prompts[1 + i % 2], _params(GOOD[i % 3], n=200))
+            eng.add_request(rid, prompts[1 + i % 2], _params(GOOD[i % 3], n=400))
         return ids
 
     ids = add("abort", 6)
@@ -169,12 +169,19 @@ def test_aborts_and_a_paused_engine_leave_no_state_behind(engine):
     _assert_idle(llm)
 
     add("pause", 4)
-    for _ in range(40):  # let them run into their first events
-        eng.step()
-    llm.sleep(level=0, mode="abort")
+    finish: dict[str, str] = {}
+    while len(finish) < 4 and min(seen.get(f"pause-{i}", 0) for i in range(4)) < 40:  # into their first events
+        for out in eng.step():
+            seen[out.request_id] = len(out.outputs[0].token_ids)
+            if out.finished:
+                finish[out.request_id] = out.outputs[0].finish_reason
+    llm.sleep(level=0, mode="abort")  # pause the engine, aborting the requests in flight
     llm.wake_up(tags=["scheduling"])
     while eng.has_unfinished_requests():
-        eng.step()
+        for out in eng.step():
+            if out.finished:
+                finish[out.request_id] = out.outputs[0].finish_reason
+    assert "abort" in finish.values(), finish  # the pause did abort requests in flight
     _assert_idle(llm)
     prompts, params = _good_batch()
     assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == ref

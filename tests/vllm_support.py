@@ -280,9 +280,11 @@ if __name__ == "__main__":  # rewrite docs/serving.md's refusal table: python te
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "serving.md")
     with open(path, encoding="utf-8") as f:
         old = f.read()
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(docs_with_table(old))
-    print("docs/serving.md: refusal table", "unchanged" if docs_with_table(old) == old else "rewritten")
+    new = docs_with_table(old)  # before the file is opened for writing: an error leaves it as it was
+    if new != old:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+    print("docs/serving.md: refusal table", "unchanged" if new == old else "rewritten")
 
 
 # -- malformed request settings (the fault-injection properties) ----------------------------------------

@@ -69,6 +69,9 @@ def check_request(extra_args: Any, vllm_config) -> None:
         request_settings(extra_args, engine)
     except KVComposeError as e:
         raise VLLMValidationError(f"kvcompose: {e}") from None
+    except Exception as e:  # noqa: BLE001 - never expected (tests/test_vllm_rules.py), still the request's fault
+        raise VLLMValidationError(f"kvcompose could not read this request's settings ({type(e).__name__}: "
+                                  f"{str(e)[:300]})") from None
 
 
 def _calling_config():
