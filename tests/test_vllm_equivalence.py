@@ -66,9 +66,10 @@ def _run(llm, prompts, budget, interval, new_tokens, presets):
     for preset in presets:
         method = pipeline_of(preset) if preset in COMPOSED else preset
         for i, p in enumerate(prompts):
-            seed = 1000 + i  # per-request seed: each reference uses the same one
+            # per-request seed (each reference uses the same one), for the pipelines that draw random numbers
+            seed = 1000 + i if pipeline_of(preset).draws_random else 0
             params.append(SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=1,
-                                         extra_args=request_kwargs(method, budget, interval=interval, seed=seed)))
+                                         extra_args=request_kwargs(method, budget, interval=interval, seed=seed or None)))
             inputs.append(TokensPrompt(prompt_token_ids=p))
             jobs.append((preset, i, seed))
     outs = llm.generate(inputs, params, use_tqdm=False)

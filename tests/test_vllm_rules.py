@@ -53,12 +53,16 @@ def test_presets_by_name_and_request_overrides():
     assert request_settings(None, engine) is base
     r = request_settings(request_kwargs(budget=128), engine)
     assert (r.budget, r.interval, repr(r.pipeline)) == (128, 64, repr(base.pipeline))
-    r = request_settings(request_kwargs("rkv", 96, seed=3), engine)
-    assert (r.budget, r.interval, r.seed) == (96, 128, 3)
+    r = request_settings(request_kwargs("rkv", 96), engine)
+    assert (r.budget, r.interval, r.seed) == (96, 128, 0)
+    r = request_settings(request_kwargs("random_attention", 96, seed=3), engine)
+    assert (r.budget, r.interval, r.seed) == (96, 64, 3)
+    with pytest.raises(KVComposeError, match="seed=3 cannot act: no block of its pipeline rkv"):
+        request_kwargs("rkv", 96, seed=3)  # as KVComposeCache warns; a request cannot be warned
     r = request_settings(request_kwargs(methods.vase(), 128, interval=32), engine)
     assert r.pipeline.query_window == 64 and r.interval == 32
-    as_json = request_settings({CONFIG_KEY: '{"preset": "rkv", "budget": 96, "seed": 3}'}, engine)  # vllm_xargs
-    assert (as_json.budget, as_json.interval, as_json.seed) == (96, 128, 3)
+    as_json = request_settings({CONFIG_KEY: '{"preset": "vase", "budget": 96, "seed": 3}'}, engine)  # vllm_xargs
+    assert (as_json.budget, as_json.interval, as_json.seed) == (96, 64, 3)
     full = request_settings(request_kwargs("full"), engine)
     assert not full.compresses and full.budget is None
     flags = serve_args("rkv", 512)

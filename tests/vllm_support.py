@@ -188,6 +188,7 @@ REQUEST_CASES = [  # (engine, what, the request's extra_args["kvcompose"])
     ("rkv", "a query window larger than the engine's ring", {"preset": "snapkv", "args": {"window": 100}, "budget": 128}),
     ("rkv", "protectors that do not fit the budget", {"preset": "vase", "budget": 64}),
     ("rkv", "a budget for a pipeline that never compresses", {"preset": "full", "budget": 128}),
+    ("rkv", "a seed for a pipeline that draws no random numbers", {"seed": 3}),
     ("full", "a budget on an engine that never compresses", {"budget": 128}),
     ("full", "a compressing preset without a budget", {"preset": "rkv"}),
     ("rkv", "a pickled pipeline in JSON text", '{"pipeline": "gASV"}'),

@@ -271,8 +271,12 @@ def _build(cfg: dict[str, Any], block_size: int, base: Settings | None, max_mode
         raise KVComposeError(f"{pipeline!r} compresses and needs a token budget")
     check_blocks(budget, interval, block_size, max_model_len)
     pipeline.validate(budget)
-    if base is None and seed and not pipeline.draws_random and notes is not None:
-        notes.append(f"seed={seed} has no effect: no block of {pipeline!r} draws random numbers")
+    if seed and not pipeline.draws_random and (base is None or "seed" in cfg):
+        why = f"no block of {whose} pipeline {pipeline!r} draws random numbers"
+        if base is not None:  # a request: refused, with the reason
+            raise KVComposeError(f"seed={seed} cannot act: {why}")
+        if notes is not None:
+            notes.append(f"seed={seed} has no effect: {why}")
     return Settings(pipeline=pipeline, budget=int(budget), interval=int(interval), seed=int(seed))
 
 
