@@ -278,6 +278,20 @@ def test_plan_turns_logical_positions_into_physical_slots():
     assert not rt.plan([("b", 8, 1)]).physical
 
 
+def test_a_request_without_a_ring_slot_fails_alone():
+    """Never expected (one slot per running request), but if the ring's slots ran out the request that needs
+    one fails alone (reported to the scheduler) instead of stopping the step for every request."""
+    rt = _runtime(L=1, Hq=4, D=8, window=6)
+    rt.S, rt.free_slots = 1, [0]
+    s = Settings(pipeline=methods.snapkv(window=4), budget=16, interval=8, seed=0)
+    rt.add("a", s, 3)
+    rt.add("b", s, 3)
+    plan = rt.plan([("a", 0, 3), ("b", 0, 3)])
+    assert rt.requests["a"].slot == 0 and rt.requests["b"].slot is None and rt.requests["b"].failed
+    assert list(rt.failed) == ["b"] and "slots are all in use" in rt.failed["b"]
+    assert plan.ring_src.tolist() == [0, 1, 2]  # a's queries only
+
+
 def test_query_ring_keeps_the_last_window_in_order():
     rt = _runtime(L=1, Hq=4, D=8, window=6)
     s = Settings(pipeline=methods.snapkv(window=4), budget=16, interval=8, seed=0)

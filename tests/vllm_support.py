@@ -190,6 +190,7 @@ REQUEST_CASES = [  # (engine, what, the request's extra_args["kvcompose"])
     ("rkv", "a budget for a pipeline that never compresses", {"preset": "full", "budget": 128}),
     ("rkv", "a seed for a pipeline that draws no random numbers", {"seed": 3}),
     ("full", "a budget on an engine that never compresses", {"budget": 128}),
+    ("full", "a seed on an engine that never compresses", {"seed": 3}),
     ("full", "a compressing preset without a budget", {"preset": "rkv"}),
     ("rkv", "a pickled pipeline in JSON text", '{"pipeline": "gASV"}'),
     ("rkv", "a pickled pipeline that does not load", {"pipeline": "bm90IGEgcGlja2xl"}),

@@ -252,14 +252,14 @@ def _build(cfg: dict[str, Any], block_size: int, base: Settings | None, max_mode
     seed = check_seed(cfg["seed"], "seed") if "seed" in cfg else (base.seed if base is not None else 0)
     if not pipeline.compresses:
         lost = [f"{k}={_show(cfg[k])}" for k in ("budget", "interval") if k in cfg and cfg[k] is not None]
+        if seed and (base is None or "seed" in cfg):
+            lost.append(f"seed={seed}")
         if lost:
             why = f"{whose} pipeline {pipeline!r} never compresses (it keeps every token)"
             if base is not None:  # a request: refused, with the reason
                 raise KVComposeError(f"{', '.join(lost)} cannot act: {why}")
             if notes is not None:
                 notes.extend(f"{x} has no effect: {why}" for x in lost)
-        if base is None and seed and notes is not None:
-            notes.append(f"seed={seed} has no effect: {whose} pipeline {pipeline!r} never compresses")
         return Settings(pipeline=pipeline, budget=None, interval=base.interval if base is not None else DEFAULT_INTERVAL,
                         seed=seed)
     budget = cfg.get("budget", base.budget if base is not None else None)

@@ -355,11 +355,12 @@ class Runtime:
             rows.append(torch.full((n,), r, dtype=torch.long))
             phys.append(torch.arange(held, held + n, dtype=torch.long))
             seq.append(held + n)
-            if st is not None and st.settings.query_window > 0 and self.W > 0:
-                if st.slot is None:
-                    if not self.free_slots:
-                        raise KVComposeError(f"kvcompose's query ring has {self.S} slots, all in use")
+            if st is not None and st.slot is None and st.settings.query_window > 0 and self.W > 0:
+                if self.free_slots:
                     st.slot = self.free_slots.pop()
+                elif not st.failed:  # never expected (one slot per running request): this request alone fails
+                    self.fail(rid, f"kvcompose: the query ring's {self.S} slots are all in use")
+            if st is not None and st.slot is not None:
                 m = min(n, self.W)
                 i = torch.arange(m, dtype=torch.long)
                 ring_src.append(t + n - m + i)
