@@ -13,9 +13,11 @@ Every layer and KV head of a request keeps its own `budget` tokens, selected by 
 `Pipeline.select` over a `LayerView` of the request's paged keys and values, packed into its leading blocks
 before the step's forward; vLLM's scheduler gives the blocks behind them back to the pool. vLLM's public
 extension points carry it: `scheduler_cls` (`scheduler.KVComposeScheduler`), `worker_cls`
-(`worker.KVComposeWorker`), `register_backend` (`attention`), `additional_config` and, for `vllm serve`,
-the `vllm.general_plugins` entry point (`plugin.register`). docs/serving.md has the design, the refusals,
-the vLLM internals it relies on and the measurements. This module does not import vLLM.
+(`worker.KVComposeWorker`), `logits_processors` (`admission.KVComposeAdmission`: each request's settings
+checked in the front end, a bad request refused alone before it enters the engine), `register_backend`
+(`attention`), `additional_config` and, for `vllm serve`, the `vllm.general_plugins` entry point
+(`plugin.register`). docs/serving.md has the design, the refusals, the vLLM internals it relies on and the
+measurements. This module does not import vLLM.
 """
 
 from __future__ import annotations

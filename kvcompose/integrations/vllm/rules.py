@@ -2,6 +2,12 @@
 compression-event rule and which blocks survive an event. Pure Python (and pickle for pipelines): nothing here
 imports vLLM, so both engine processes and the user's process use the same functions.
 
+Settings: `engine_limits` reads an engine's `additional_config["kvcompose"]` into an `Engine` (its default
+`Settings`, block size, query ring and `max_model_len`); `request_settings` checks a request's own settings
+against it and raises `KVComposeError` naming the problem for anything the engine would not honour exactly.
+The front end (`admission.py`), the scheduler and the worker all run that same check, so a request the front
+end accepts is accepted everywhere, and one refused anywhere is refused with the same message.
+
 Two counts per request (docs/serving.md, "Design"): vLLM's logical `num_computed_tokens` (tokens seen; the
 positions RoPE uses) and the physical `held` (tokens in the request's blocks, the kept ones packed first).
 The rule is `KVComposeCache`'s schedule: an event is due when the decoded count crosses a multiple of
