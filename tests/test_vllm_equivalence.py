@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from vllm_support import compare, gsm8k_prompts, load_hf, reference, tiny_llama  # noqa: E402
+from vllm_support import COMPOSED, compare, gsm8k_prompts, load_hf, pipeline_of, reference, tiny_llama  # noqa: E402
 
 from kvcompose.integrations.vllm import engine_kwargs, request_kwargs  # noqa: E402
 
 PRESETS = ["streaming_llm", "random_attention", "rkv", "vase", "snapkv", "tova", "knorm"]
+TINY = PRESETS + ["merging(snapkv)"]  # a Merger: the packed values are the merged ones (sent as a Pipeline)
 BLOCK = 32
 MARGIN = 1e-3  # nats: a flip of the argmax below this is a near-tie of two float32 engines
 ATOL = 2e-3  # nats: vLLM's logprob of its token against the reference's
@@ -55,17 +57,19 @@ def _events(log: str) -> dict[str, list[int]]:
     return out
 
 
-def _run(llm, prompts, budget, interval, new_tokens):
+def _run(llm, prompts, budget, interval, new_tokens, presets):
     """Every preset on every prompt, in one batch; returns {(preset, i): (request id, tokens, logprobs, seed)}."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     jobs, params, inputs = [], [], []
-    for preset in PRESETS:
+    for preset in presets:
+        method = pipeline_of(preset) if preset in COMPOSED else preset
         for i, p in enumerate(prompts):
-            seed = 1000 + i  # per-request seed: each reference uses the same one
+            # per-request seed (each reference uses the same one), for the pipelines that draw random numbers
+            seed = 1000 + i if pipeline_of(preset).draws_random else 0
             params.append(SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=1,
-                                         extra_args=request_kwargs(preset, budget, interval=interval, seed=seed)))
+                                         extra_args=request_kwargs(method, budget, interval=interval, seed=seed or None)))
             inputs.append(TokensPrompt(prompt_token_ids=p))
             jobs.append((preset, i, seed))
     outs = llm.generate(inputs, params, use_tqdm=False)
@@ -77,8 +81,8 @@ def _run(llm, prompts, budget, interval, new_tokens):
     return res
 
 
-def _check(model_dir, llm, log, prompts, budget, interval, new_tokens):
-    res = _run(llm, prompts, budget, interval, new_tokens)
+def _check(model_dir, llm, log, prompts, budget, interval, new_tokens, presets=PRESETS):
+    res = _run(llm, prompts, budget, interval, new_tokens, presets)
     events = _events(log)
     hf = load_hf(model_dir)
     report, failures = {}, []
@@ -127,8 +131,8 @@ def test_tiny_llama_every_preset_matches_kvcompose_cache(tiny):
     g = torch.Generator().manual_seed(0)
     lengths = [9, 30, 47, 64, 71, 90, 101, 130]  # below, at and above the budget; aligned and not
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
-    report = _check(model, llm, log, prompts, budget=96, interval=32, new_tokens=160)
-    assert set(report) == set(PRESETS)
+    report = _check(model, llm, log, prompts, budget=96, interval=32, new_tokens=160, presets=TINY)
+    assert set(report) == set(TINY)
 
 
 def test_preempted_requests_are_recomputed_and_compressed_again(tiny):
@@ -167,6 +171,11 @@ def test_preempted_requests_are_recomputed_and_compressed_again(tiny):
     for x in (x for x in lines if "request_id" in x):
         c, n = x["num_computed_tokens"], x["num_scheduled_tokens"]
         assert x["held_blocks"] == 256 // BLOCK + -(-(c + n) // BLOCK) - c // BLOCK, x
+    # preempted, recomputed and finished: nothing of them is left in the scheduler or the worker
+    t0 = time.time()
+    while (st := llm.collective_rpc("kvcompose_state")[0])["requests"] and time.time() - t0 < 10:
+        time.sleep(0.1)
+    assert st["requests"] == [] and st["free_slots"] == st["slots"] and st["scheduler_requests"] == 0, st
 
 
 @pytest.fixture(scope="module")

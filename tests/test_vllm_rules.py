@@ -17,10 +17,11 @@ from helpers import examples, rand_ids, tree_model
 from kvcompose import BlockGranular, HostTier, KVComposeCache, Pipeline, RandomDrop, methods
 from kvcompose.integrations.vllm import (CONFIG_KEY, decode_pipeline, engine_kwargs, event_due, request_kwargs,
                                          serve_args)
-from kvcompose.integrations.vllm.rules import (Settings, blocks_to_free, engine_settings, kept_row, layer_seed,
-                                               request_settings)
+from kvcompose.integrations.vllm.rules import (Settings, blocks_to_free, engine_limits, engine_settings, kept_row,
+                                               layer_seed, request_settings)
 from kvcompose.integrations.vllm.runtime import PagedLayout, Runtime
-from kvcompose.view import KVComposeError, LayerView
+from kvcompose.view import KVComposeError, KVComposeWarning, LayerView
+from vllm_support import ENGINE_CASES, REQUEST_CASES, WARNING_CASES, case_engine, docs_with_table, malformed_settings
 
 BS = 32
 
@@ -33,7 +34,8 @@ def test_engine_kwargs_carry_a_pipeline_object_and_do_not_import_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "128"  # R-KV's own interval
-    kw = engine_kwargs(methods.rkv(window=16), budget=512, interval=64, block_size=32, seed=7, log_file="ev.jsonl")
+    with pytest.warns(KVComposeWarning, match="seed=7 has no effect"):  # as KVComposeCache: rkv draws nothing
+        kw = engine_kwargs(methods.rkv(window=16), budget=512, interval=64, block_size=32, seed=7, log_file="ev.jsonl")
     assert kw["enable_prefix_caching"] is False and kw["async_scheduling"] is False and kw["block_size"] == 32
     assert kw["scheduler_cls"].endswith("KVComposeScheduler") and kw["worker_cls"].endswith("KVComposeWorker")
     cfg = kw["additional_config"][CONFIG_KEY]
@@ -45,18 +47,23 @@ def test_engine_kwargs_carry_a_pipeline_object_and_do_not_import_vllm():
 
 def test_presets_by_name_and_request_overrides():
     cfg = engine_kwargs("snapkv", 256, preset_args={"window": 16})["additional_config"][CONFIG_KEY]
-    base = engine_settings(cfg, BS)
-    assert base.pipeline.query_window == 16 and base.interval == 64
-    assert request_settings(None, BS, base) is base
-    r = request_settings(request_kwargs(budget=128), BS, base)
+    engine = engine_limits(cfg, BS)
+    base = engine.base
+    assert base.pipeline.query_window == 16 and base.interval == 64 and engine.query_window == 64
+    assert request_settings(None, engine) is base
+    r = request_settings(request_kwargs(budget=128), engine)
     assert (r.budget, r.interval, repr(r.pipeline)) == (128, 64, repr(base.pipeline))
-    r = request_settings(request_kwargs("rkv", 96, seed=3), BS, base)
-    assert (r.budget, r.interval, r.seed) == (96, 128, 3)
-    r = request_settings(request_kwargs(methods.vase(), 128, interval=32), BS, base)
+    r = request_settings(request_kwargs("rkv", 96), engine)
+    assert (r.budget, r.interval, r.seed) == (96, 128, 0)
+    r = request_settings(request_kwargs("random_attention", 96, seed=3), engine)
+    assert (r.budget, r.interval, r.seed) == (96, 64, 3)
+    with pytest.raises(KVComposeError, match="seed=3 cannot act: no block of its pipeline rkv"):
+        request_kwargs("rkv", 96, seed=3)  # as KVComposeCache warns; a request cannot be warned
+    r = request_settings(request_kwargs(methods.vase(), 128, interval=32), engine)
     assert r.pipeline.query_window == 64 and r.interval == 32
-    as_json = request_settings({CONFIG_KEY: '{"preset": "rkv", "budget": 96, "seed": 3}'}, BS, base)  # vllm_xargs
-    assert (as_json.budget, as_json.interval, as_json.seed) == (96, 128, 3)
-    full = request_settings(request_kwargs("full"), BS, base)
+    as_json = request_settings({CONFIG_KEY: '{"preset": "vase", "budget": 96, "seed": 3}'}, engine)  # vllm_xargs
+    assert (as_json.budget, as_json.interval, as_json.seed) == (96, 64, 3)
+    full = request_settings(request_kwargs("full"), engine)
     assert not full.compresses and full.budget is None
     flags = serve_args("rkv", 512)
     assert "--additional-config" in flags and '"preset": "rkv"' in flags[flags.index("--additional-config") + 1]
@@ -83,11 +90,11 @@ def test_refusals_name_the_problem(kw, match):
 
 
 def test_request_settings_are_checked():
-    base = engine_settings(engine_kwargs("full")["additional_config"][CONFIG_KEY], BS)
+    engine = engine_limits(engine_kwargs("full")["additional_config"][CONFIG_KEY], BS)
     with pytest.raises(KVComposeError, match="whole number"):
-        request_settings({CONFIG_KEY: {"preset": "rkv", "budget": 100}}, BS, base)
+        request_settings({CONFIG_KEY: {"preset": "rkv", "budget": 100}}, engine)
     with pytest.raises(KVComposeError, match="unknown kvcompose settings"):
-        request_settings({CONFIG_KEY: {"preset": "rkv", "budget": 128, "bugdet": 1}}, BS, base)
+        request_settings({CONFIG_KEY: {"preset": "rkv", "budget": 128, "bugdet": 1}}, engine)
     with pytest.raises(KVComposeError, match="observes"):
         request_kwargs("h2o", 128)
 
@@ -173,16 +180,18 @@ def _random_maps(bs, D, seed):
     return (torch.randperm(bs * D, generator=g).view(bs, D), torch.randperm(bs * D, generator=g).view(bs, D))
 
 
-@pytest.mark.parametrize("preset", ["streaming_llm", "random_attention", "rkv", "vase", "snapkv", "tova", "knorm"])
+@pytest.mark.parametrize("preset", ["streaming_llm", "random_attention", "rkv", "vase", "snapkv", "tova", "knorm",
+                                    "merging(snapkv)"])
 @pytest.mark.parametrize("cpu_layout", [False, True])
 def test_runtime_packs_what_pipeline_select_keeps(preset, cpu_layout):
     """`Runtime.compress` over a paged cache whose blocks are scattered keeps, in every layer and head, the tokens
-    `Pipeline.select` keeps on the dense keys (same generator draws), packed in order into the leading blocks;
-    a second event sees the kept tokens' positions and the newer ones."""
+    `Pipeline.select` keeps on the dense keys (same generator draws), packed in order into the leading blocks,
+    with the merged values when the pipeline has a Merger; a second event sees the kept tokens' positions and
+    the newer ones."""
     L, H, Hq, D, bs, B, I = 2, 2, 4, 8, 8, 96, 32
     maps = _random_maps(bs, D, 0) if cpu_layout else None
     rt = _runtime(L, H, Hq, D, bs, maps, window=64)
-    pipe = methods.PRESETS[preset]()
+    pipe = methods.merging(methods.snapkv()) if preset == "merging(snapkv)" else methods.PRESETS[preset]()
     s = Settings(pipeline=pipe, budget=B, interval=I, seed=5)
     P = 70
     st_ = rt.add("r", s, P)
@@ -223,15 +232,19 @@ def test_runtime_packs_what_pipeline_select_keeps(preset, cpu_layout):
                          None if q is None else torch.arange(c - qq.shape[2], c),
                          None if q is None else torch.ones(1, qq.shape[2], dtype=torch.bool), c, D ** -0.5, gen)
         sel, _ = pipe.select(view, B)
-        expect.append(sel.kept[0])
+        assert (sel.values is not None) == (pipe.merger is not None)
+        expect.append((sel.kept[0], dense_vals[i] if sel.values is None else sel.values[0]))
     new_row = rt.compress("r", st_, c, row, kv)
     assert new_row == row[: B // bs] + (row[-1:] if c % bs else [])
     assert st_.held == B
     for i in range(L):
         k, v = rt.layout.gather(kv[i], torch.tensor(row)[torch.arange(B) // bs], torch.arange(B) % bs)
-        idx = expect[i][..., None].expand(-1, -1, D)
-        assert torch.equal(k, dense_keys[i].gather(1, idx)) and torch.equal(v, dense_vals[i].gather(1, idx))
-        assert torch.equal(st_.kept_pos[i], expect[i])
+        kept, merged = expect[i]
+        idx = kept[..., None].expand(-1, -1, D)
+        assert torch.equal(k, dense_keys[i].gather(1, idx)) and torch.equal(v, merged.gather(1, idx))
+        assert torch.equal(st_.kept_pos[i], kept)
+        if pipe.merger is not None:  # the merge changed what attention reads
+            assert not torch.equal(v, dense_vals[i].gather(1, idx))
     # the next interval: new tokens after the kept ones, then a second event over kept + newer positions
     row = new_row + [b for b in row if b not in new_row]
     for _ in range(I):
@@ -263,6 +276,20 @@ def test_plan_turns_logical_positions_into_physical_slots():
     # nobody in the batch was compressed: nothing to rewrite
     b.last = b.held = 8
     assert not rt.plan([("b", 8, 1)]).physical
+
+
+def test_a_request_without_a_ring_slot_fails_alone():
+    """Never expected (one slot per running request), but if the ring's slots ran out the request that needs
+    one fails alone (reported to the scheduler) instead of stopping the step for every request."""
+    rt = _runtime(L=1, Hq=4, D=8, window=6)
+    rt.S, rt.free_slots = 1, [0]
+    s = Settings(pipeline=methods.snapkv(window=4), budget=16, interval=8, seed=0)
+    rt.add("a", s, 3)
+    rt.add("b", s, 3)
+    plan = rt.plan([("a", 0, 3), ("b", 0, 3)])
+    assert rt.requests["a"].slot == 0 and rt.requests["b"].slot is None and rt.requests["b"].failed
+    assert list(rt.failed) == ["b"] and "slots are all in use" in rt.failed["b"]
+    assert plan.ring_src.tolist() == [0, 1, 2]  # a's queries only
 
 
 def test_query_ring_keeps_the_last_window_in_order():
@@ -339,3 +366,62 @@ def test_backend_mixins_pass_through_without_kvcompose_and_rewrite_with_it():
     assert torch.equal(got[0, :, -1], q[0]) and pos.tolist() == [40]  # a's one query went into its ring
     rt.step = None  # a dummy run after the step: nothing recorded, nothing rewritten
     assert builder.build(0, cm) is cm
+
+
+# -- refusals of requests (issue 29) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,what,cfg", REQUEST_CASES, ids=[c[1] for c in REQUEST_CASES])
+def test_request_refusals_name_the_problem(kind, what, cfg):
+    """Every bad request setting is refused with a `KVComposeError` (the message docs/serving.md tabulates),
+    never accepted, never another exception."""
+    with pytest.raises(KVComposeError):
+        request_settings({CONFIG_KEY: cfg}, case_engine(kind))
+
+
+@pytest.mark.parametrize("what,kw,max_len", ENGINE_CASES, ids=[c[0] for c in ENGINE_CASES])
+def test_engine_refusals_name_the_problem(what, kw, max_len, unchecked):
+    with pytest.raises(KVComposeError):
+        engine_limits(engine_kwargs(**kw)["additional_config"][CONFIG_KEY], BS, max_len)
+
+
+@pytest.mark.parametrize("what,kw", WARNING_CASES, ids=[c[0] for c in WARNING_CASES])
+def test_engine_settings_that_cannot_act_warn(what, kw):
+    with pytest.warns(KVComposeWarning, match="has no effect"):
+        engine_kwargs(**kw)
+
+
+def test_docs_refusal_table_is_current(unchecked):
+    """docs/serving.md's table of refusals is generated from the code (`python tests/vllm_support.py` rewrites
+    it), so its messages cannot drift from what a client receives."""
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "serving.md")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    assert docs_with_table(text) == text, "docs/serving.md's refusal table is stale: run python tests/vllm_support.py"
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(malformed_settings(), st.sampled_from(["rkv", "full"]))
+def test_malformed_request_settings_are_refused_or_valid(cfg, kind):
+    """Whatever a client sends as its kvcompose settings, `request_settings` (what the front end and the
+    scheduler run) either accepts settings the engine honours or raises `KVComposeError`, with a message of
+    bounded length: never another exception (which would escape into vLLM's engine core)."""
+    engine = case_engine(kind)
+    try:
+        s = request_settings({CONFIG_KEY: cfg}, engine)
+    except KVComposeError as e:
+        assert len(str(e)) < 2000
+        return
+    assert isinstance(s, Settings) and s.query_window <= engine.query_window
+    if s.compresses:
+        assert s.budget % BS == 0 and s.interval % BS == 0 and 0 < s.budget < 1024 and 0 < s.interval < 1024
+
+
+def test_query_window_is_bounded_by_the_engine(unchecked):
+    cfg = engine_kwargs("rkv", 128, query_window=2**31)["additional_config"][CONFIG_KEY]
+    assert engine_limits(cfg, BS).query_window == 2**31  # no model known: engine_kwargs cannot tell
+    with pytest.raises(KVComposeError, match="query_window=2147483648 is more queries"):
+        engine_limits(cfg, BS, 4096)  # the scheduler and the worker check it at start-up
+    with pytest.raises(KVComposeError, match="preset_args must be a dict"):
+        engine_kwargs("rkv", 128, preset_args=[1, 2])

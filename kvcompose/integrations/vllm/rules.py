@@ -2,6 +2,12 @@
 compression-event rule and which blocks survive an event. Pure Python (and pickle for pipelines): nothing here
 imports vLLM, so both engine processes and the user's process use the same functions.
 
+Settings: `engine_limits` reads an engine's `additional_config["kvcompose"]` into an `Engine` (its default
+`Settings`, block size, query ring and `max_model_len`); `request_settings` checks a request's own settings
+against it and raises `KVComposeError` naming the problem for anything the engine would not honour exactly.
+The front end (`admission.py`), the scheduler and the worker all run that same check, so a request the front
+end accepts is accepted everywhere, and one refused anywhere is refused with the same message.
+
 Two counts per request (docs/serving.md, "Design"): vLLM's logical `num_computed_tokens` (tokens seen; the
 positions RoPE uses) and the physical `held` (tokens in the request's blocks, the kept ones packed first).
 The rule is `KVComposeCache`'s schedule: an event is due when the decoded count crosses a multiple of
@@ -15,6 +21,7 @@ import base64
 import json
 import pickle
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from ...block import EventTrigger, LayerSchedule
@@ -22,12 +29,20 @@ from ...pipeline import Pipeline
 from ...seeding import check_seed, derived_seed
 from ...view import KVComposeError
 
-__all__ = ["CONFIG_KEY", "Settings", "engine_settings", "request_settings", "check_pipeline", "check_blocks",
-           "event_due", "keep_blocks", "blocks_to_free", "kept_row", "encode_pipeline", "decode_pipeline", "layer_seed", "DEFAULT_INTERVAL",
-           "DEFAULT_QUERY_WINDOW"]
+__all__ = ["CONFIG_KEY", "Settings", "Engine", "engine_settings", "engine_limits", "request_settings",
+           "runnable_presets", "check_pipeline", "check_blocks", "event_due", "keep_blocks", "blocks_to_free", "kept_row",
+           "encode_pipeline", "decode_pipeline", "layer_seed", "DEFAULT_INTERVAL", "DEFAULT_QUERY_WINDOW",
+           "MAX_SETTINGS_TEXT", "FAILED_ATTR", "TRACKED_ATTR"]
 
 CONFIG_KEY = "kvcompose"
 """Key of kvcompose's settings in vLLM's `additional_config` and in a request's `SamplingParams.extra_args`."""
+
+FAILED_ATTR = "kvcompose_failed"
+"""Attribute the worker sets on a step's `ModelRunnerOutput`: `{request id: message}` of the requests whose
+kvcompose work failed in that step (the scheduler finishes each alone with an error)."""
+TRACKED_ATTR = "kvcompose_tracked"
+"""Attribute the scheduler sets on a `SchedulerOutput`: how many requests it keeps kvcompose state for after
+that step (the worker reports the last one in `kvcompose_state`)."""
 
 DEFAULT_INTERVAL = 64  # as KVComposeCache, when the pipeline names no interval of its own
 DEFAULT_QUERY_WINDOW = 64  # the largest window of a shipped preset (VaSE); the ring must hold what requests ask
@@ -46,25 +61,66 @@ def decode_pipeline(text: str) -> Pipeline:
     try:
         p = pickle.loads(base64.b64decode(text.encode("ascii")))
     except Exception as e:  # noqa: BLE001 - any decoding failure is a bad setting
-        raise KVComposeError(f"could not rebuild the kvcompose pipeline from the engine settings: {e}") from e
+        raise KVComposeError(f"could not rebuild the kvcompose pipeline from its settings: {_show(str(e))[1:-1]}") from e
     if not isinstance(p, Pipeline):
         raise KVComposeError(f"the engine settings hold a {type(p).__name__}, not a kvcompose Pipeline")
     return p
 
 
-def _preset(name: str, args: dict[str, Any] | None) -> Pipeline:
+def _show(x: Any, n: int = 80) -> str:
+    """A bounded repr of a value a client sent (error messages never echo more than `n` characters)."""
+    r = repr(x)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+@lru_cache(maxsize=None)
+def runnable_presets() -> dict[str, str | None]:
+    """Every preset of `kvcompose.methods.PRESETS` with None when the vLLM route runs it (built with its
+    defaults), else the reason it is refused. A preset is refused by name before it is built with a request's
+    arguments: a client's arguments never reach a preset the engine cannot run (e.g. a profile path)."""
     from ...methods import PRESETS
 
-    if name not in PRESETS:
-        raise KVComposeError(f"unknown kvcompose preset {name!r}; choose one of {sorted(PRESETS)}")
+    out: dict[str, str | None] = {}
+    for name, fn in sorted(PRESETS.items()):
+        try:
+            p = fn()
+            if p.compresses:
+                check_pipeline(p)
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - any reason makes the preset unrunnable here
+            out[name] = str(e)
+    return out
+
+
+def _preset(name: Any, args: Any) -> Pipeline:
+    if not isinstance(name, str):
+        raise KVComposeError(f"`preset` must be a preset name (a str), got {_show(name)} ({type(name).__name__})")
+    presets = runnable_presets()
+    if name not in presets:
+        raise KVComposeError(f"unknown kvcompose preset {_show(name)}; choose one of "
+                             f"{sorted(k for k, v in presets.items() if v is None)}")
+    if presets[name] is not None:
+        raise KVComposeError(f"preset {name!r} cannot run in vLLM: {presets[name]}")
+    if args is not None and not isinstance(args, dict):
+        raise KVComposeError(f"`args` of preset {name!r} must be a dict of its keyword arguments, got "
+                             f"{_show(args)} ({type(args).__name__})")
+    if args and not all(isinstance(k, str) for k in args):
+        raise KVComposeError(f"`args` of preset {name!r} must have str keys, got {_show(list(args))}")
+    from ...methods import PRESETS
+
     try:
-        return PRESETS[name](**(args or {}))
-    except TypeError as e:
-        raise KVComposeError(f"preset {name!r} does not take the arguments {args}: {e}") from e
+        p = PRESETS[name](**(args or {}))
+    except Exception as e:  # noqa: BLE001 - a preset refusing its arguments refuses the settings
+        raise KVComposeError(f"preset {name!r} does not take the arguments {_show(args, 200)}: "
+                             f"{_show(str(e), 300)[1:-1]}") from e
+    if not isinstance(p, Pipeline):  # pragma: no cover - every preset returns a Pipeline
+        raise KVComposeError(f"preset {name!r} returned a {type(p).__name__}, not a Pipeline")
+    return p
 
 
 def check_pipeline(pipeline: Pipeline) -> None:
-    """Refuse, with the reason, a pipeline whose blocks need what a vLLM engine cannot give them."""
+    """Refuse, with the reason, a pipeline whose blocks need what a vLLM engine cannot give them. Mergers run:
+    the worker packs the merged values the pipeline returns (`Selection.values`)."""
     name = repr(pipeline)
     if pipeline.observers:
         kinds = ", ".join(type(pipeline.leaves[i]).__name__ for i in pipeline.observers)
@@ -100,17 +156,24 @@ def check_pipeline(pipeline: Pipeline) -> None:
         )
 
 
-def check_blocks(budget: int, interval: int, block_size: int) -> None:
-    """Budgets and intervals must be whole blocks; name the block-aligned values around a bad one."""
+def check_blocks(budget: Any, interval: Any, block_size: int, max_model_len: int | None = None) -> None:
+    """Budgets and intervals must be whole blocks (name the block-aligned values around a bad one) and, when the
+    engine's `max_model_len` is known, below it (a larger one could never act)."""
     for what, n in (("budget", budget), ("interval", interval)):
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise KVComposeError(f"{what} must be a positive int, got {n!r}")
+            raise KVComposeError(f"{what} must be a positive int, got {_show(n)}")
         if n % block_size:
             lo = n // block_size * block_size
             alt = f"{lo} or {lo + block_size}" if lo else f"{block_size}"
             raise KVComposeError(
                 f"{what}={n} is not a whole number of vLLM blocks of {block_size} tokens: kvcompose does not round "
                 f"it for you; use {alt}"
+            )
+        if max_model_len is not None and n >= max_model_len:
+            raise KVComposeError(
+                f"{what}={n} cannot act: the engine's requests hold at most max_model_len={max_model_len} tokens, "
+                f"so {'no event would ever cut them' if what == 'budget' else 'no event would ever be due'}; use "
+                f"less than {max_model_len}"
             )
 
 
@@ -139,13 +202,48 @@ class Settings:
         return self.pipeline.query_window if self.compresses else 0
 
 
-def _build(cfg: dict[str, Any], block_size: int, base: Settings | None) -> Settings:
-    unknown = set(cfg) - {"pipeline", "preset", "args", "budget", "interval", "seed"}
+@dataclass(frozen=True)
+class Engine:
+    """What a request's settings are checked against: the engine's own settings and its limits.
+
+    Attributes:
+        base: the engine's `Settings` (what a request does not name).
+        block_size: vLLM's block size (budgets and intervals are whole blocks).
+        query_window: W, the queries per layer and request the worker's ring keeps (a request's pipeline may
+            read at most W).
+        max_model_len: the engine's longest request (None when unknown: `engine_kwargs` has no model).
+        notes: engine settings that have no effect (each "what has no effect: why"); the engine warns.
+    """
+
+    base: Settings
+    block_size: int
+    query_window: int
+    max_model_len: int | None = None
+    notes: tuple[str, ...] = ()
+
+
+_KEYS = ("pipeline", "preset", "args", "budget", "interval", "seed")
+_ENGINE_KEYS = ("query_window", "log_file", "block_size")
+MAX_SETTINGS_TEXT = 1 << 16
+"""Longest JSON text of a request's settings (characters): a preset, its arguments and four numbers."""
+
+
+def _build(cfg: dict[str, Any], block_size: int, base: Settings | None, max_model_len: int | None = None,
+           notes: list[str] | None = None) -> Settings:
+    """Settings from `cfg` on top of `base` (None: the engine's own). A setting that has no effect is refused
+    for a request (a client cannot see a warning) and noted in `notes` for the engine (which warns)."""
+    if not all(isinstance(k, str) for k in cfg):
+        raise KVComposeError(f"kvcompose settings have non-str keys: {_show([k for k in cfg if not isinstance(k, str)])}")
+    unknown = set(cfg) - set(_KEYS)
     if unknown:
-        raise KVComposeError(f"unknown kvcompose settings {sorted(unknown)}")
+        raise KVComposeError(f"unknown kvcompose settings {_show(sorted(unknown))}; the settings are {list(_KEYS)}")
     if "pipeline" in cfg and "preset" in cfg:
         raise KVComposeError("give either a pipeline or a preset name, not both")
+    if "args" in cfg and "preset" not in cfg:
+        raise KVComposeError("`args` are the arguments of a preset: give `preset` too")
     if "pipeline" in cfg:
+        if not isinstance(cfg["pipeline"], str):
+            raise KVComposeError(f"`pipeline` must be the text of encode_pipeline, got {type(cfg['pipeline']).__name__}")
         pipeline = decode_pipeline(cfg["pipeline"])
     elif "preset" in cfg:
         pipeline = _preset(cfg["preset"], cfg.get("args"))
@@ -153,46 +251,107 @@ def _build(cfg: dict[str, Any], block_size: int, base: Settings | None) -> Setti
         pipeline = base.pipeline
     else:
         raise KVComposeError("kvcompose settings name no pipeline: give `preset` (and `args`) or a Pipeline")
-    if "args" in cfg and "preset" not in cfg:
-        raise KVComposeError("`args` are the arguments of a preset: give `preset` too")
+    new = "pipeline" in cfg or "preset" in cfg
+    whose = "its" if new or base is None else "the engine's"
+    if "seed" in cfg and (isinstance(cfg["seed"], bool) or not isinstance(cfg["seed"], int)):
+        raise KVComposeError(f"seed must be an int, got {_show(cfg['seed'])} ({type(cfg['seed']).__name__})")
+    seed = check_seed(cfg["seed"], "seed") if "seed" in cfg else (base.seed if base is not None else 0)
+    if not pipeline.compresses:
+        lost = [f"{k}={_show(cfg[k])}" for k in ("budget", "interval") if k in cfg and cfg[k] is not None]
+        if seed and (base is None or "seed" in cfg):
+            lost.append(f"seed={seed}")
+        if lost:
+            why = f"{whose} pipeline {pipeline!r} never compresses (it keeps every token)"
+            if base is not None:  # a request: refused, with the reason
+                raise KVComposeError(f"{', '.join(lost)} cannot act: {why}")
+            if notes is not None:
+                notes.extend(f"{x} has no effect: {why}" for x in lost)
+        return Settings(pipeline=pipeline, budget=None, interval=base.interval if base is not None else DEFAULT_INTERVAL,
+                        seed=seed)
     budget = cfg.get("budget", base.budget if base is not None else None)
     interval = cfg.get("interval")
     if interval is None:  # as KVComposeCache: the pipeline's own; a request that keeps the engine's pipeline
-        new = "pipeline" in cfg or "preset" in cfg  # keeps the engine's interval too
         interval = base.interval if base is not None and not new else (pipeline.interval or DEFAULT_INTERVAL)
-    seed = cfg.get("seed", base.seed if base is not None else 0)
-    seed = check_seed(seed, "kvcompose seed")
-    if pipeline.compresses:
-        check_pipeline(pipeline)
-        if budget is None:
-            raise KVComposeError(f"{pipeline!r} compresses and needs a token budget")
-        check_blocks(budget, interval, block_size)
-        pipeline.validate(budget)
-    else:
-        budget = None
-    return Settings(pipeline=pipeline, budget=budget, interval=int(interval), seed=int(seed))
+    check_pipeline(pipeline)
+    if budget is None:
+        raise KVComposeError(f"{pipeline!r} compresses and needs a token budget")
+    check_blocks(budget, interval, block_size, max_model_len)
+    pipeline.validate(budget)
+    if seed and not pipeline.draws_random and (base is None or "seed" in cfg):
+        why = f"no block of {whose} pipeline {pipeline!r} draws random numbers"
+        if base is not None:  # a request: refused, with the reason
+            raise KVComposeError(f"seed={seed} cannot act: {why}")
+        if notes is not None:
+            notes.append(f"seed={seed} has no effect: {why}")
+    return Settings(pipeline=pipeline, budget=int(budget), interval=int(interval), seed=int(seed))
 
 
-def engine_settings(cfg: dict[str, Any], block_size: int) -> Settings:
-    """The engine's default `Settings` from `additional_config["kvcompose"]` (less its engine-only keys)."""
-    cfg = {k: v for k, v in cfg.items() if k not in ("query_window", "log_file", "block_size")}
-    return _build(cfg, block_size, None)
+def engine_settings(cfg: dict[str, Any], block_size: int, max_model_len: int | None = None,
+                    notes: list[str] | None = None) -> Settings:
+    """The engine's default `Settings` from `additional_config["kvcompose"]` (less its engine-only keys);
+    settings that have no effect are appended to `notes`."""
+    if not isinstance(cfg, dict):
+        raise KVComposeError(f"additional_config[{CONFIG_KEY!r}] must be a dict, got {type(cfg).__name__}")
+    cfg = {k: v for k, v in cfg.items() if k not in _ENGINE_KEYS}
+    return _build(cfg, block_size, None, max_model_len, notes)
 
 
-def request_settings(extra_args: dict[str, Any] | None, block_size: int, base: Settings) -> Settings:
-    """A request's `Settings`: its `extra_args["kvcompose"]` override (a dict, or its JSON text) on top of the
-    engine's `base`."""
-    cfg = (extra_args or {}).get(CONFIG_KEY)
-    if not cfg:
-        return base
-    if isinstance(cfg, str):  # the OpenAI server's `vllm_xargs` take flat values: the settings as JSON text
+def engine_limits(cfg: dict[str, Any], block_size: int, max_model_len: int | None = None) -> Engine:
+    """The engine's `Engine` (settings and limits) from `additional_config["kvcompose"]`: what the scheduler,
+    the worker and the front end's request check all derive from the same config."""
+    notes: list[str] = []
+    base = engine_settings(cfg, block_size, max_model_len, notes)
+    window = cfg.get("query_window")
+    if window is None:
+        window = max(DEFAULT_QUERY_WINDOW, base.query_window)
+    if isinstance(window, bool) or not isinstance(window, int) or window < base.query_window:
+        raise KVComposeError(f"query_window must be an int >= the pipeline's window {base.query_window}, got "
+                             f"{_show(window)}")
+    if max_model_len is not None and window > max_model_len:
+        raise KVComposeError(f"query_window={window} is more queries than a request of max_model_len={max_model_len} "
+                             f"has: use at most {max_model_len}")
+    log = cfg.get("log_file")
+    if log is not None and not isinstance(log, str):
+        raise KVComposeError(f"log_file must be a path (str), got {type(log).__name__}")
+    return Engine(base=base, block_size=block_size, query_window=window, max_model_len=max_model_len,
+                  notes=tuple(notes))
+
+
+def request_settings(extra_args: Any, engine: Engine) -> Settings:
+    """A request's `Settings`: its `SamplingParams.extra_args["kvcompose"]` on top of the engine's. The settings
+    are a dict (Python callers: `request_kwargs`) or its JSON text (the OpenAI server's `vllm_xargs` take flat
+    values). Raises `KVComposeError` naming the problem for anything the engine would not honour exactly: a
+    wrong type or range, an unknown key or preset, a budget or interval that is not whole blocks or cannot act,
+    a pipeline the engine cannot run, a query window larger than the engine's ring. A pickled pipeline
+    (`pipeline`) is taken from a dict only: JSON text is what a network client sends, and unpickling it would
+    run the client's code in the engine."""
+    if extra_args is None:
+        return engine.base
+    if not isinstance(extra_args, dict):
+        raise KVComposeError(f"SamplingParams.extra_args must be a dict, got {type(extra_args).__name__}")
+    if CONFIG_KEY not in extra_args or extra_args[CONFIG_KEY] is None:
+        return engine.base
+    cfg = extra_args[CONFIG_KEY]
+    text = isinstance(cfg, str)
+    if text:
+        if len(cfg) > MAX_SETTINGS_TEXT:
+            raise KVComposeError(f"extra_args[{CONFIG_KEY!r}] is {len(cfg)} characters of JSON; kvcompose settings "
+                                 f"take at most {MAX_SETTINGS_TEXT}")
         try:
             cfg = json.loads(cfg)
-        except ValueError as e:
-            raise KVComposeError(f"extra_args[{CONFIG_KEY!r}] is not JSON: {e}") from e
+        except (ValueError, RecursionError) as e:
+            raise KVComposeError(f"extra_args[{CONFIG_KEY!r}] is not JSON: {_show(str(e))[1:-1]}") from None
     if not isinstance(cfg, dict):
-        raise KVComposeError(f"extra_args[{CONFIG_KEY!r}] must be a dict (or its JSON), got {type(cfg).__name__}")
-    return _build(dict(cfg), block_size, base)
+        raise KVComposeError(f"extra_args[{CONFIG_KEY!r}] must be a dict (or its JSON text) of kvcompose settings, "
+                             f"got {type(cfg).__name__} {_show(cfg, 40)}")
+    if text and "pipeline" in cfg:
+        raise KVComposeError("a pickled pipeline is taken only from Python (extra_args as a dict), not from JSON "
+                             "text, which is what a network client sends: name a preset")
+    s = _build(dict(cfg), engine.block_size, engine.base, engine.max_model_len)
+    if s.query_window > engine.query_window:
+        raise KVComposeError(f"{s.pipeline!r} reads the last {s.query_window} queries; the engine's query ring holds "
+                             f"{engine.query_window} (raise query_window in engine_kwargs)")
+    return s
 
 
 def layer_seed(seed: int, layer_idx: int) -> int:

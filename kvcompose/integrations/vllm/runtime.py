@@ -125,6 +125,7 @@ class RequestState:
     ring_head: int = 0  # next ring index written
     gens: list[torch.Generator] | None = None
     states: list[Any] | None = None  # per layer: the pipeline's state tuple
+    failed: bool = False  # its kvcompose work failed: no further event (the scheduler finishes it)
 
     @property
     def offset(self) -> int:
@@ -178,15 +179,27 @@ class Runtime:
         self.ring_pos: Tensor | None = None  # [S * W] logical positions
         self.step: StepPlan | None = None
         self.stats = Stats()
+        self.failed: dict[str, str] = {}  # request id -> why, reported with the step's output, then cleared
+        self.scheduler_tracked: int | None = None  # the scheduler's count of requests it keeps state for
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, req_id: str, settings: Settings, prompt_len: int) -> RequestState:
         if settings.query_window > self.W:
             raise KVComposeError(f"request {req_id}: {settings.pipeline!r} reads {settings.query_window} queries, the "
                                  f"engine's ring holds {self.W} (raise query_window in engine_kwargs)")
+        if settings.query_window > 0:
+            self._ensure_ring()  # here, so that a ring that cannot be allocated fails this request alone
         st = RequestState(settings=settings, prompt_len=prompt_len)
         self.requests[req_id] = st
         return st
+
+    def fail(self, req_id: str, why: str) -> None:
+        """Note that a request's kvcompose work failed: it runs no further event, and the step's output names it
+        (the scheduler then finishes it alone with an error)."""
+        self.failed[req_id] = why
+        st = self.requests.get(req_id)
+        if st is not None:
+            st.failed = True
 
     def remove(self, req_id: str) -> None:
         st = self.requests.pop(req_id, None)
@@ -222,7 +235,7 @@ class Runtime:
 
     def due(self, st: RequestState, n_computed: int) -> bool:
         s = st.settings
-        return s.compresses and event_due(st.prompt_len, st.last, n_computed, s.interval, st.held, s.budget)
+        return not st.failed and s.compresses and event_due(st.prompt_len, st.last, n_computed, s.interval, st.held, s.budget)
 
     # -- the ring ---------------------------------------------------------------------------------
     def _ensure_ring(self) -> None:
@@ -267,8 +280,9 @@ class Runtime:
     def compress(self, req_id: str, st: RequestState, n_computed: int, row: list[int],
                  kv_caches: list[Tensor]) -> list[int]:
         """Run the event of one request before the step's forward: every layer keeps `budget` tokens per KV
-        head, packed in place into the first `budget / block_size` blocks of `row` (its physical block list);
-        returns the row it keeps (see `rules.keep_blocks`)."""
+        head, packed in place into the first `budget / block_size` blocks of `row` (its physical block list),
+        with the merged values when the pipeline has a `Merger`; returns the row it keeps (see
+        `rules.keep_blocks`). It writes only into those leading blocks."""
         t0 = time.perf_counter()
         s = st.settings
         pipe: Pipeline = s.pipeline
@@ -309,6 +323,8 @@ class Runtime:
                 generator=st.gens[i], event=st.events, rows=None, cache_budget=B,
             )
             sel, st.states[i] = pipe.select(view, B, st.states[i])
+            if sel.values is not None:  # a Merger: the kept tokens take the merged values (keys never change)
+                values = sel.values[0]
             kept = sel.kept[0]
             if kept.shape[-1] != B:
                 raise KVComposeError(f"{pipe!r} kept {kept.shape[-1]} tokens per head at budget {B}; the vLLM route "
@@ -339,11 +355,12 @@ class Runtime:
             rows.append(torch.full((n,), r, dtype=torch.long))
             phys.append(torch.arange(held, held + n, dtype=torch.long))
             seq.append(held + n)
-            if st is not None and st.settings.query_window > 0 and self.W > 0:
-                if st.slot is None:
-                    if not self.free_slots:
-                        raise KVComposeError(f"kvcompose's query ring has {self.S} slots, all in use")
+            if st is not None and st.slot is None and st.settings.query_window > 0 and self.W > 0:
+                if self.free_slots:
                     st.slot = self.free_slots.pop()
+                elif not st.failed:  # never expected (one slot per running request): this request alone fails
+                    self.fail(rid, f"kvcompose: the query ring's {self.S} slots are all in use")
+            if st is not None and st.slot is not None:
                 m = min(n, self.W)
                 i = torch.arange(m, dtype=torch.long)
                 ring_src.append(t + n - m + i)

@@ -9,13 +9,20 @@ every block from the logical block of `num_computed_tokens` on, and returns the 
 serve other requests from the next step on; the worker's packing is done by then. Positions stay logical:
 the freed entries of the request's block list become vLLM's null block, as its sliding-window managers do.
 
-It also refuses, at start-up, every setting the route cannot honour (`check_engine`), and each request's
-settings (`SamplingParams.extra_args["kvcompose"]`) when the request arrives.
+It also refuses, at start-up, every setting the route cannot honour (`check_engine`). A request whose own
+settings (`SamplingParams.extra_args["kvcompose"]`) the engine would not honour is refused alone: the front
+end's check (`admission.py`) normally stops it before it gets here; one that arrives anyway is added and at
+once finished with vLLM's error status, its output naming the problem (`stop_reason`), and the engine goes on.
+Nothing raised by kvcompose's per-request work escapes for one request's sake (vLLM would kill the engine for
+all): a request whose event fails here or in the worker (which reports it in its output) finishes alone with
+an error.
 
 What it relies on inside vLLM 0.32 that is not a stable API: `KVCacheManager.coordinator
 .single_type_managers[0].req_to_blocks`, `BlockPool.null_block` / `free_blocks`, `KVCacheBlock.is_null`,
 `SchedulerOutput.scheduled_cached_reqs` (`req_ids`, `num_computed_tokens`, `resumed_req_ids`),
-`Request.num_prompt_tokens` / `sampling_params`.
+`Request.num_prompt_tokens` / `sampling_params` / `client_index`, `Scheduler.requests`, `finish_requests` with
+`RequestStatus.FINISHED_ERROR`, `update_from_output` returning `{client_index: EngineCoreOutputs}`, and
+`EngineCoreOutput(request_id, new_token_ids, finish_reason=FinishReason.ERROR, stop_reason=...)`.
 """
 
 from __future__ import annotations
@@ -27,12 +34,15 @@ from dataclasses import dataclass
 try:
     from vllm.logger import init_logger
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.request import RequestStatus
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(f"{__name__} needs vLLM (pip install kvcompose[vllm]; see docs/serving.md): {e}") from e
 
 from ...view import KVComposeError
-from .rules import CONFIG_KEY, Settings, blocks_to_free, engine_settings, event_due, request_settings
+from .rules import (CONFIG_KEY, FAILED_ATTR, TRACKED_ATTR, Settings, blocks_to_free, engine_limits, event_due,
+                    request_settings)
 
 __all__ = ["KVComposeScheduler", "check_engine"]
 
@@ -106,22 +116,52 @@ class KVComposeScheduler(Scheduler):
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         cfg = dict(vllm_config.additional_config[CONFIG_KEY])
         self._kvc_block = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-        self._kvc_base = engine_settings(cfg, self._kvc_block)
+        self._kvc_engine = engine_limits(cfg, self._kvc_block, vllm_config.model_config.max_model_len)
+        self._kvc_base = self._kvc_engine.base
         self._kvc_log = cfg.get("log_file")
         self._kvc_manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         self._kvc: dict[str, _State] = {}
+        self._kvc_failed: dict[str, str] = {}  # request id -> why, finished with an error after this step
+        self._kvc_errors: list = []  # error outputs of refused requests, sent with the next step's outputs
         self.kvc_events = 0
         self.kvc_blocks_freed = 0
         self.kvc_peak_running = 0
-        logger.info("kvcompose scheduler: %s, budget %s, interval %s, block size %d", self._kvc_base.pipeline,
-                    self._kvc_base.budget, self._kvc_base.interval, self._kvc_block)
+        self.kvc_refused = 0
+        for note in self._kvc_engine.notes:
+            logger.warning("kvcompose: %s", note)
+        procs = [p if isinstance(p, str) else f"{p.__module__}:{p.__qualname__}"
+                 for p in (vllm_config.model_config.logits_processors or ())]
+        if not any(p.endswith("KVComposeAdmission") for p in procs):
+            logger.warning("kvcompose: the front end does not check requests' kvcompose settings (no "
+                           "KVComposeAdmission logits processor: use engine_kwargs / serve_args); a request with bad "
+                           "settings is refused here instead, finishing with an error (HTTP 500, not 400)")
+        logger.info("kvcompose scheduler: %s, budget %s, interval %s, block size %d, query ring %d",
+                    self._kvc_base.pipeline, self._kvc_base.budget, self._kvc_base.interval, self._kvc_block,
+                    self._kvc_engine.query_window)
 
     def add_request(self, request) -> None:
-        """vLLM's, after the request's own kvcompose settings (`extra_args`) are checked."""
+        """vLLM's, after the request's own kvcompose settings (`extra_args`) are checked; a request they refuse
+        is added and finished at once with an error naming the problem (the others go on)."""
         sp = request.sampling_params
-        settings = request_settings(sp.extra_args if sp is not None else None, self._kvc_block, self._kvc_base)
+        try:
+            settings = request_settings(sp.extra_args if sp is not None else None, self._kvc_engine)
+        except Exception as e:  # noqa: BLE001 - whatever it is, it concerns this request alone
+            super().add_request(request)
+            self._kvc_refuse(request, f"kvcompose: {e}" if isinstance(e, KVComposeError) else
+                             f"kvcompose could not read this request's settings ({type(e).__name__}: {e})")
+            return
         self._kvc[request.request_id] = _State(settings=settings, prompt_len=request.num_prompt_tokens)
         super().add_request(request)
+
+    def _kvc_refuse(self, request, why: str) -> None:
+        """Finish `request` alone with vLLM's error status; its output (sent with the next step's) names why."""
+        rid = request.request_id
+        logger.warning("kvcompose: request %s finished with an error: %s", rid, why)
+        self._kvc.pop(rid, None)
+        self.finish_requests(rid, RequestStatus.FINISHED_ERROR)
+        self._kvc_errors.append((request.client_index, EngineCoreOutput(
+            request_id=rid, new_token_ids=[], finish_reason=FinishReason.ERROR, stop_reason=why[:2000])))
+        self.kvc_refused += 1
 
     def _preempt_request(self, request, *args, **kwargs):
         st = self._kvc.get(request.request_id)
@@ -137,48 +177,92 @@ class KVComposeScheduler(Scheduler):
         self.kvc_peak_running = max(self.kvc_peak_running, len(self.running))
         for rid in [r for r in self._kvc if r not in self.requests]:
             del self._kvc[rid]
+        setattr(out, TRACKED_ATTR, len(self._kvc))
         return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        """vLLM's, then the requests whose kvcompose work failed in this step (here or in the worker) finish
+        alone with an error, and the error outputs of refused requests are sent."""
+        failed = dict(getattr(model_runner_output, FAILED_ATTR, None) or {})
+        failed.update(self._kvc_failed)
+        self._kvc_failed = {}
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for rid, why in failed.items():
+            client = None
+            for c, eco in outputs.items():  # the step's token came from a cache the failure left undefined
+                kept = [o for o in eco.outputs if o.request_id != rid]
+                if len(kept) != len(eco.outputs):
+                    client, eco.outputs = c, kept
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished():
+                self._kvc_refuse(request, why)
+            elif client is not None:  # it finished in this very step: its last output becomes the error
+                logger.warning("kvcompose: request %s finished with an error: %s", rid, why)
+                self._kvc_errors.append((client, EngineCoreOutput(
+                    request_id=rid, new_token_ids=[], finish_reason=FinishReason.ERROR, stop_reason=why[:2000])))
+            self._kvc.pop(rid, None)
+        for client, out in self._kvc_errors:
+            eco = outputs.get(client)
+            if eco is None:
+                outputs[client] = eco = EngineCoreOutputs(outputs=[])
+            eco.outputs.append(out)
+        self._kvc_errors = []
+        return outputs
 
     def _kvc_events(self, out) -> None:
         cached = out.scheduled_cached_reqs
-        pool = self.kv_cache_manager.block_pool
         lines = []
         for i, rid in enumerate(cached.req_ids):
             st = self._kvc.get(rid)
             if st is None:
                 continue
-            c = cached.num_computed_tokens[i]
-            if rid in cached.resumed_req_ids or c < st.last:
-                st.last = st.held = 0
-            st.held += c - st.last
-            s = st.settings
-            due = s.compresses and event_due(st.prompt_len, st.last, c, s.interval, st.held, s.budget)
-            st.last = c
-            if not due:
+            try:
+                line = self._kvc_event(out, st, rid, cached.num_computed_tokens[i], rid in cached.resumed_req_ids)
+            except Exception as e:  # noqa: BLE001 - this request alone finishes with an error after the step
+                self._kvc_failed[rid] = f"kvcompose: the scheduler's compression event failed: {type(e).__name__}: {e}"
+                self._kvc.pop(rid, None)
                 continue
-            t0 = time.perf_counter()
-            blocks = self._kvc_manager.req_to_blocks[rid]
-            real = [j for j, b in enumerate(blocks) if not b.is_null]
-            freed = blocks_to_free(real, c, s.budget, self._kvc_block)
-            null = pool.null_block
-            gone = []
-            for j in freed:
-                gone.append(blocks[j])
-                blocks[j] = null
-            pool.free_blocks(gone)
-            st.held = s.budget
-            st.events += 1
-            self.kvc_events += 1
-            self.kvc_blocks_freed += len(gone)
-            if self._kvc_log:
-                lines.append({"request_id": rid, "num_computed_tokens": c, "num_prompt_tokens": st.prompt_len,
-                              "num_scheduled_tokens": out.num_scheduled_tokens.get(rid), "freed": len(gone), "held_blocks": len(real) - len(gone),
-                              "running": len(self.running), "free_blocks": pool.get_num_free_blocks(),
-                              "seconds": time.perf_counter() - t0})
+            if line is not None and self._kvc_log:
+                lines.append(line)
         for line in lines:
             self._kvc_write(line)
 
+    def _kvc_event(self, out, st: _State, rid: str, c: int, resumed: bool) -> dict | None:
+        """One request's counts at this step and, when its event is due, the blocks behind its kept tokens
+        freed; returns the event's log line."""
+        if resumed or c < st.last:
+            st.last = st.held = 0
+        st.held += c - st.last
+        s = st.settings
+        due = s.compresses and event_due(st.prompt_len, st.last, c, s.interval, st.held, s.budget)
+        st.last = c
+        if not due:
+            return None
+        t0 = time.perf_counter()
+        pool = self.kv_cache_manager.block_pool
+        blocks = self._kvc_manager.req_to_blocks[rid]
+        real = [j for j, b in enumerate(blocks) if not b.is_null]
+        freed = blocks_to_free(real, c, s.budget, self._kvc_block)
+        null = pool.null_block
+        gone = []
+        for j in freed:
+            gone.append(blocks[j])
+            blocks[j] = null
+        pool.free_blocks(gone)
+        st.held = s.budget
+        st.events += 1
+        self.kvc_events += 1
+        self.kvc_blocks_freed += len(gone)
+        return {"request_id": rid, "num_computed_tokens": c, "num_prompt_tokens": st.prompt_len,
+                "num_scheduled_tokens": out.num_scheduled_tokens.get(rid), "freed": len(gone),
+                "held_blocks": len(real) - len(gone), "running": len(self.running),
+                "free_blocks": pool.get_num_free_blocks(), "seconds": time.perf_counter() - t0}
+
     def _kvc_write(self, line: dict) -> None:
         if self._kvc_log:
-            with open(self._kvc_log, "a") as f:
-                f.write(json.dumps(line) + "\n")
+            try:
+                with open(self._kvc_log, "a") as f:
+                    f.write(json.dumps(line) + "\n")
+            except OSError as e:  # the log is a convenience: it never stops the engine
+                logger.warning("kvcompose: cannot write the event log %s (%s); logging stops", self._kvc_log, e)
+                self._kvc_log = None

@@ -15,6 +15,11 @@ Per step, in vLLM's `GPUModelRunner.execute_model` (the V1 runner, which `CPUMod
 3. The forward runs with kvcompose's backend (`attention.py`); the plan is dropped afterwards, so dummy runs
    see vLLM's path.
 
+Each request's work in step 1 runs on its own: when it raises (a block of the request's pipeline failing,
+say), the request's counts and block-table row are left as the scheduler's (the row cut as the scheduler
+cut it), it runs no further event, and the step's output names it (`rules.FAILED_ATTR`) so that the
+scheduler finishes it alone with an error; the other requests are untouched.
+
 What it relies on inside vLLM 0.32 that is not a stable API (docs/serving.md lists them all):
 `GPUModelRunner._update_states` / `execute_model` (overridden through a subclass swapped onto the runner
 object, `__class__`), `runner.requests[req_id].block_ids`, `runner.input_batch` (`req_id_to_index`,
@@ -25,6 +30,7 @@ object, `__class__`), `runner.requests[req_id].block_ids`, `runner.input_batch` 
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -45,7 +51,7 @@ else:  # pragma: no cover - other platforms
 
 from ...view import KVComposeError
 from .attention import backend_kind, register
-from .rules import CONFIG_KEY, DEFAULT_QUERY_WINDOW, engine_settings, request_settings
+from .rules import CONFIG_KEY, FAILED_ATTR, TRACKED_ATTR, engine_limits, kept_row, request_settings
 from .runtime import PagedLayout, Runtime
 
 __all__ = ["KVComposeWorker", "KVComposeRunner"]
@@ -67,7 +73,8 @@ class KVComposeRunner:
             raise KVComposeError(f"kvcompose's vLLM route supports one KV-cache group, the model has {len(groups)}")
         spec = groups[0].kv_cache_spec
         block_size = spec.block_size
-        self._kvc_base = engine_settings(cfg, block_size)
+        self._kvc_engine = engine_limits(cfg, block_size, vllm_config.model_config.max_model_len)
+        self._kvc_base = self._kvc_engine.base
         ctx = self.compilation_config.static_forward_context
         names = sorted(groups[0].layer_names, key=extract_layer_index)
         layers = [ctx[n] for n in names]
@@ -89,7 +96,7 @@ class KVComposeRunner:
             num_layers=len(layers), num_kv_heads=spec.num_kv_heads, num_q_heads=impls[0].num_heads,
             head_dim=spec.head_size, block_size=block_size, device=kv[0].device, dtype=kv[0].dtype,
             scales=[float(impl.scale) for impl in impls], max_seqs=self.scheduler_config.max_num_seqs,
-            query_window=int(cfg.get("query_window") or max(DEFAULT_QUERY_WINDOW, self._kvc_base.query_window)),
+            query_window=self._kvc_engine.query_window,
             layout=PagedLayout(kind, spec.head_size, block_size, maps),
         )
         self._kvc_kv = kv
@@ -110,36 +117,70 @@ class KVComposeRunner:
             rt.remove(rid)
         for rid in getattr(so, "preempted_req_ids", None) or ():
             rt.restart(rid, preempted=True)
+        tracked = getattr(so, TRACKED_ATTR, None)
+        if tracked is not None:
+            rt.scheduler_tracked = tracked
         for new in so.scheduled_new_reqs:
             if new.req_id not in rt.requests:
-                settings = request_settings(new.sampling_params.extra_args if new.sampling_params else None,
-                                            self._kvc_block_size, self._kvc_base)
-                n_prompt = len(new.prompt_token_ids) if new.prompt_token_ids is not None else len(new.prompt_embeds)
-                st = rt.add(new.req_id, settings, n_prompt)
-                st.last = new.num_computed_tokens
-                st.held = new.num_computed_tokens
+                self._kvc_guard(new.req_id, self._kvc_new, new)
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
-        bt = self.input_batch.block_table[0]
         for i, rid in enumerate(cached.req_ids):
-            c = cached.num_computed_tokens[i]
-            if rid in resumed:
-                rt.restart(rid)
-            st = rt.advance(rid, c)
-            if st is None:
-                continue
-            if rt.due(st, c):
-                req = self.requests[rid]
-                row = req.block_ids[0]
+            self._kvc_guard(rid, self._kvc_cached, rid, cached.num_computed_tokens[i], rid in resumed)
+
+    def _kvc_guard(self, rid: str, fn, *args) -> None:
+        """Run one request's work; if it raises, that request alone is reported as failed (see the module
+        docstring) and the step goes on."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - whatever it is, it concerns this request alone
+            why = f"kvcompose: the worker's work on this request failed: {type(e).__name__}: {e}"
+            logger.warning("kvcompose: request %s: %s", rid, why)
+            self._kvc.fail(rid, why)
+
+    def _kvc_new(self, new) -> None:
+        settings = request_settings(new.sampling_params.extra_args if new.sampling_params else None,
+                                    self._kvc_engine)
+        n_prompt = len(new.prompt_token_ids) if new.prompt_token_ids is not None else len(new.prompt_embeds)
+        st = self._kvc.add(new.req_id, settings, n_prompt)
+        st.last = new.num_computed_tokens
+        st.held = new.num_computed_tokens
+
+    def _kvc_cached(self, rid: str, c: int, resumed: bool) -> None:
+        rt = self._kvc
+        if resumed:
+            rt.restart(rid)
+        st = rt.advance(rid, c)
+        if st is None:
+            return
+        if rt.due(st, c):
+            req = self.requests[rid]
+            row = req.block_ids[0]
+            try:
                 keep = rt.compress(rid, st, c, row, self._kvc_kv)
-                row[:] = keep  # the runner's copy (rebuilds the batch row if the request leaves and returns)
-                idx = self.input_batch.req_id_to_index.get(rid)
-                if idx is not None:
-                    n_old = int(bt.num_blocks_per_row[idx])
-                    bt.block_table.np[idx, :len(keep)] = keep
-                    bt.block_table.np[idx, len(keep):n_old] = 0
-                    bt.num_blocks_per_row[idx] = len(keep)
-            st.last = c
+            except Exception as e:  # noqa: BLE001 - the row still follows the scheduler's, then the request fails
+                try:
+                    keep = kept_row(row, c, st.settings.budget, self._kvc_block_size)
+                    st.held, st.c_event = st.settings.budget, c
+                except Exception:  # noqa: BLE001 - the scheduler's rule failed too: it freed nothing
+                    keep = None
+                st.last = c
+                if keep is not None:
+                    self._kvc_cut(rid, row, keep)
+                raise e
+            self._kvc_cut(rid, row, keep)
+        st.last = c
+
+    def _kvc_cut(self, rid: str, row: list[int], keep: list[int]) -> None:
+        """A request's block-table row after its event, in the runner's request state and the persistent batch."""
+        row[:] = keep  # the runner's copy (rebuilds the batch row if the request leaves and returns)
+        bt = self.input_batch.block_table[0]
+        idx = self.input_batch.req_id_to_index.get(rid)
+        if idx is not None:
+            n_old = int(bt.num_blocks_per_row[idx])
+            bt.block_table.np[idx, :len(keep)] = keep
+            bt.block_table.np[idx, len(keep):n_old] = 0
+            bt.num_blocks_per_row[idx] = len(keep)
 
     def _kvc_after(self, so) -> None:
         rt = self._kvc
@@ -247,22 +288,45 @@ class KVComposeWorker(_PlatformWorker):
     def execute_model(self, scheduler_output):
         t0 = time.perf_counter()
         try:
-            return super().execute_model(scheduler_output)
+            return self._kvc_report(super().execute_model(scheduler_output))
         finally:
             self._kvc_time(t0, count=scheduler_output.total_num_scheduled_tokens > 0)
 
     def sample_tokens(self, grammar_output):
         t0 = time.perf_counter()
         try:
-            return super().sample_tokens(grammar_output)
+            return self._kvc_report(super().sample_tokens(grammar_output))
         finally:
             self._kvc_time(t0, count=False)
+
+    def _kvc_report(self, out):
+        """The step's output, naming the requests whose kvcompose work failed (`rules.FAILED_ATTR`)."""
+        rt = getattr(self.model_runner, "_kvc", None)
+        if out is None or rt is None or not rt.failed:
+            return out
+        out = copy.copy(out)  # vLLM's empty output is a shared constant
+        setattr(out, FAILED_ATTR, dict(rt.failed))
+        rt.failed.clear()
+        return out
 
     def _kvc_time(self, t0: float, count: bool) -> None:
         rt = getattr(self.model_runner, "_kvc", None)
         if rt is not None:
             rt.stats.step_seconds += time.perf_counter() - t0
             rt.stats.steps += int(count)
+
+    def kvcompose_state(self) -> dict[str, Any]:
+        """What the worker keeps per request (`LLM.collective_rpc("kvcompose_state")`): the requests it knows,
+        the query ring's free and total slots, the requests it will report failed, and the number of requests
+        the scheduler kept state for after the last step it sent. On an idle engine all requests are gone."""
+        import kvcompose
+
+        rt = getattr(self.model_runner, "_kvc", None)
+        if rt is None:
+            return {}
+        return {"requests": sorted(rt.requests), "free_slots": len(rt.free_slots), "slots": rt.S,
+                "failed": sorted(rt.failed), "scheduler_requests": rt.scheduler_tracked,
+                "kvcompose": kvcompose.__file__}
 
     def kvcompose_stats(self, reset: bool = False) -> dict[str, Any]:
         """The worker's kvcompose counters (`runtime.Stats`), for `LLM.collective_rpc("kvcompose_stats")`;
