@@ -26,9 +26,10 @@ PagePool (kvcompose.stores.pool)             PagedStore
   it is free) to the pages the heads hold plus room for what the layer appends until its next event, so a
   layer at its steady state reallocates its pool neither between events nor at them; `trim()` frees every
   spare page.
-- Attention (`attend`): on CUDA the Triton paged decode kernel reads the pages directly
-  (`kvcompose.kernels.paged_decode_attention`: no padded copy); elsewhere the pages are gathered into a
-  transient padded view for masked SDPA (the PyTorch reference). The store never keeps a padded view.
+- Attention (`attend`): on CUDA a decode step runs the Triton paged decode kernel over the pages directly
+  (`kvcompose.kernels.paged_decode_attention`: no padded copy); a prefill (more than `KERNEL_MAX_QUERIES` new
+  queries) and every call elsewhere gather the pages into a transient padded view for masked SDPA (the
+  PyTorch reference). The store never keeps a padded view.
 """
 
 from __future__ import annotations
@@ -46,7 +47,11 @@ from ..view import KVComposeError
 from .base import FAR_POSITION, StoreView
 from .pool import POOL_GROWTH, POOL_SLACK, PagePool
 
-__all__ = ["PagePool", "PagedStore", "POOL_SLACK", "POOL_GROWTH"]
+__all__ = ["PagePool", "PagedStore", "POOL_SLACK", "POOL_GROWTH", "KERNEL_MAX_QUERIES"]
+
+#: New queries up to which `PagedStore.attend` runs the paged decode kernel on CUDA (decode steps, short
+#: continuations); a prefill takes the padded view and SDPA.
+KERNEL_MAX_QUERIES = 4
 
 
 class PagedStore:
@@ -284,9 +289,12 @@ class PagedStore:
 
     def attend(self, query: Float[Tensor, "B Hq Q D"], seen: int, scale: float, sliding_window: int | None = None,
                softcap: float | None = None, sinks: Float[Tensor, " Hq"] | None = None) -> Float[Tensor, "B Q Hq Dv"]:
-        """On CUDA the paged decode kernel reads the pages directly (no padded copy); elsewhere, or with
-        soft-capping or sinks, masked SDPA over a transient padded view (the PyTorch reference)."""
-        if softcap is None and sinks is None and select_backend(query, self.pool.keys) == "triton":
+        """On CUDA a decode step (at most `KERNEL_MAX_QUERIES` new queries) runs the paged decode kernel over the
+        pages directly (no padded copy); a prefill, or soft-capping or sinks, or a CPU, runs masked SDPA over a
+        transient padded view (the PyTorch reference): the decode kernel's tiles are sized for a few query rows
+        (many queries would stream every page once per 16 rows)."""
+        if (softcap is None and sinks is None and query.shape[2] <= KERNEL_MAX_QUERIES
+                and select_backend(query, self.pool.keys) == "triton"):
             q = query.shape[2]
             qpos = torch.arange(seen - q, seen, device=self.device)
             p = self.pool
