@@ -176,7 +176,9 @@ class ComposeLayer(CacheLayerMixin):
                                target=self.target_capacity(), reserve=cfg.reserve)
         budget = self.layer_budget()
         if cfg.paged and budget is not None and pipe.compresses:
-            seg.limits = pipe.allocator.initial_limits(budget, s.batch, s.heads, s.device)
+            # made on the host, copied to the device without waiting (no blocking copy at prefill)
+            host = pipe.allocator.initial_limits(budget, s.batch, s.heads, torch.device("cpu"))
+            seg.set_limits(host.to(s.device, non_blocking=True), host.numpy())
         seg.tier = pipe.tier.init(s)
         seg.blocks = pipe.init(s)
 

@@ -265,7 +265,9 @@ class FakeCuda(TorchDispatchMode):
         rkwargs = tree_map(self._real_of, kwargs)
         pin = bool(rkwargs.pop("pin_memory", False))
         rargs = tree_map(self._real_of, args)
-        fkwargs = {k: v for k, v in tree_map(self._fake_of, kwargs).items() if k not in ("generator", "pin_memory")}
+        fkwargs = {k: v for k, v in tree_map(self._fake_of, kwargs).items() if k != "pin_memory"}
+        if "generator" in fkwargs:
+            fkwargs["generator"] = None  # the fake half draws nothing
         fargs = tree_map(self._fake_of, args)
         try:
             with self.fake_mode:

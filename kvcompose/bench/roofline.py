@@ -61,6 +61,16 @@ class ModelShape:
     def group(self) -> int:
         return self.heads // self.kv_heads
 
+    @classmethod
+    def from_config(cls, cfg: Any, elt: int, name: str = "") -> "ModelShape":
+        """The shape of a transformers model config (Llama/Qwen-style attention and gated MLP)."""
+        heads = cfg.num_attention_heads
+        return cls(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=heads,
+                   kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+                   ffn=cfg.intermediate_size, vocab=cfg.vocab_size, elt=elt,
+                   tied=bool(getattr(cfg, "tie_word_embeddings", False)), name=name or type(cfg).__name__)
+
     def weight_params(self) -> int:
         """Parameters a decode step reads (every matrix, the LM head; not the embedding table, of which
         one row is read)."""
@@ -68,7 +78,7 @@ class ModelShape:
         attn = d * self.heads * hd * 2 + d * self.kv_heads * hd * 2
         mlp = 3 * d * self.ffn
         norms = 2 * d + 2 * hd  # RMSNorms (Qwen3 also normalises q and k per head)
-        return self.layers * (attn + mlp + norms) + d + self.vocab * d
+        return self.layers * (attn + mlp + norms) + d + (0 if self.tied else self.vocab * d)
 
 
 H200 = Hardware()
