@@ -118,14 +118,10 @@ def run_event(layer: Any, seg: Segment, rows: Tensor | None, budget: int | None,
             want.append(n_kept)
         if not assign and not derive:
             want.append(seg.store.kept_counts(kept))
-        if tiered:
-            want.append(sel.protected)
         got = reads.flush(*want)
         host_kept = np.minimum(sel.host_budget, t) if derive else got.pop(0)
         host_counts = host_kept if assign or derive else got.pop(0)
         with_host(n_kept, host_kept)
-        if tiered:
-            with_host(sel.protected, got.pop(0))
         if derive and not assign:
             host_counts = np.minimum(host_kept, seg.store.host_lengths)  # a head keeps at most what it holds
         if tiered:

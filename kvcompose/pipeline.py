@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import inspect
+
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -36,6 +39,14 @@ from .view import FAR_POSITION, AttentionStep, KVComposeError, LayerSpec, LayerV
 __all__ = ["Pipeline", "Selection"]
 
 _ROLES = (Scorer, Protector, Selector, Allocator, TierStore, Merger)
+_HINTS: dict[type, bool] = {}
+
+
+def _takes_hints(cls: type) -> bool:
+    """Whether a selector's `__call__` takes the host budgets (`host_budget`, `may_overflow`)."""
+    if cls not in _HINTS:
+        _HINTS[cls] = "host_budget" in inspect.signature(cls.__call__).parameters
+    return _HINTS[cls]
 
 
 @dataclass
@@ -323,23 +334,32 @@ class Pipeline:
         limit = per_head if retain is None else per_head + retain(protected.sum(-1))
         fixed_max = sum(p.max_count(bmin) for p in fixed)
         prompt = [p for p in self.protectors if isinstance(p, ProtectPrompt)]
-        if prompt:  # the room the other protectors leave (a host read only when a tier widens the limit)
-            room = (bmin if retain is None else int(limit.min())) - fixed_max
+        # the smallest limit per head the host can vouch for: the budget, plus what the tier keeps of the real
+        # candidates when nothing is protected (retained grows with the protected count)
+        lo = host_budget if retain is None else self._host_limit(view, host_budget, 0)
+        room = 0
+        if prompt:  # the room the other protectors leave (a host read only when the host cannot tell it)
+            exact = lo is not None and (retain is None or np.array_equal(lo, self._host_limit(view, host_budget,
+                                                                                                fixed_max)))
+            room = (int(lo.min()) if exact and lo.size else int(limit.min())) - fixed_max
             for p in prompt:
                 protected |= p(view, bmin, room)
         n_prot = protected.sum(-1)
         if retain is not None:
             limit = per_head + retain(n_prot)
-        # protectors promise at most their max_count (the prompt at most the room): without a tier nothing
-        # can overflow a head's budget; the check stays, read with the event's other values
-        may_overflow = retain is not None or fixed_max + (max(room, 0) if prompt else 0) > bmin
-        if may_overflow:
+        # protectors promise at most their max_count (the prompt at most the room or its sinks): where that
+        # bound fits the host's smallest limit nothing can overflow; else the check is read with the event's
+        # other host values
+        bound = fixed_max + (max([room] + [p.max_count(bmin) for p in prompt]) if prompt else 0)
+        may_overflow = bound > bmin
+        if lo is None or bound > int(lo.min() if lo.size else 0):
             where = "" if limit is per_head else " plus what the tier keeps"
             check_later(n_prot > limit, lambda: (
                 f"protected tokens do not fit in a budget of {bmin}{where} (layer {view.layer_idx}): raise the "
                 "budget or protect fewer tokens"))
+        n_prot.max_host = bound  # an upper bound on every head's count, for the tier (no host read)
         hints = {}
-        if type(self.selector).__call__ is Selector.__call__:  # the base selection takes the host budgets
+        if _takes_hints(type(self.selector)):  # the selection takes the host budgets: no host sync
             hints = dict(host_budget=host_budget, may_overflow=may_overflow)
         kept, order = self.selector(scores, protected, view.valid, per_head, view.generator,
                                     need_order=self.tier.holds_tokens or self.merger is not None, positions=view.positions,
@@ -350,6 +370,15 @@ class Pipeline:
         return (Selection(kept=kept, order=order, budget=per_head, scores=scores, protected=n_prot, values=values,
                           host_budget=host_budget),
                 tuple(out_states))
+
+    def _host_limit(self, view: LayerView, host_budget: Any, protected: int) -> np.ndarray | None:
+        """Per-head limits (budget plus what the tier keeps) on the host, from the mirrored real counts, as if
+        every head protected `protected` tokens; None when the host does not know the counts."""
+        if view.host_real is None:
+            return None
+        ph = torch.from_numpy(np.asarray(host_budget, dtype=np.int64))
+        cand = torch.from_numpy(np.asarray(view.host_real, dtype=np.int64))
+        return (ph + self.tier.retained(cand, ph, view.seen, torch.full_like(ph, protected))).numpy()
 
     def _merge(self, view: LayerView, kept: Int[Tensor, "B H K"], order: Int[Tensor, "B H T"], n_prot: Int[Tensor, "B H"],
                states: tuple, channels: Tensor | None, out_states: list) -> Float[Tensor, "B H T Dv"]:

@@ -299,7 +299,7 @@ class BlockGranular(Selector):
         take = ((room >= 0) | prot.gather(-1, order)) & real.gather(-1, order)
         keep_seg = torch.zeros(b, h, t, dtype=torch.bool, device=valid.device).scatter_(-1, order, take)
         keep = keep_seg.gather(-1, seg) & valid
-        kmax = int(keep.sum(-1).max()) if keep.numel() else 0
+        kmax = int(keep.sum(-1).max()) if keep.numel() else 0  # the kept width: one host read
         idx = torch.where(keep, torch.arange(t, device=valid.device).expand(b, h, t), torch.full_like(seg, t))
         kept = idx.sort(-1).values[..., :kmax]
         kept = torch.where(kept >= t, torch.full_like(kept, -1), kept)

@@ -30,6 +30,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..block import Block, LayerSchedule
+from ..hostsync import host_of
 from ..view import KVComposeError, LayerView
 
 __all__ = ["Allocator", "Uniform", "round_to_total", "layer_budget"]
@@ -118,7 +119,8 @@ class Allocator(Block):
         allocator, else one device read (the event's second at most)."""
         if self.constant:
             return np.full(tuple(budgets.shape), budget, dtype=np.int64)
-        return budgets.cpu().numpy().astype(np.int64)
+        host = host_of(budgets)  # an allocator that read its budgets already attaches them
+        return host if host is not None else budgets.cpu().numpy().astype(np.int64)
 
     def allocate(self, view: LayerView, budget: int, *state: Any) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError

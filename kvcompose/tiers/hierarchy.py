@@ -112,11 +112,21 @@ class Hierarchy(TierStore):
         n_host, n_comp = self.split(kept + real, kept, seen, protected)
         hh = hc = None
         hk, hp = host_of(kept), host_of(protected)
-        if tokens.counts is not None and hk is not None and (protected is None or hp is not None):
-            # the same split on the host, from the event's host copies (no host sync)
+        bound = getattr(protected, "max_host", None) if hp is None else None
+        if tokens.counts is not None and hk is not None and (protected is None or hp is not None or bound is not None):
+            # the same split on the host, from the event's host copies (no host sync); with only a bound on
+            # the protected counts, when the split is the same for none and for the bound
             cpu = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64))  # noqa: E731
-            a, c = self.split(cpu(hk) + cpu(tokens.counts), cpu(hk), seen, None if protected is None else cpu(hp))
-            hh, hc = a.numpy(), c.numpy()
+            cand, k = cpu(hk) + cpu(tokens.counts), cpu(hk)
+            if protected is None or hp is not None:
+                a, c = self.split(cand, k, seen, None if protected is None else cpu(hp))
+            else:
+                a, c = self.split(cand, k, seen, torch.zeros_like(k))
+                a2, c2 = self.split(cand, k, seen, torch.full_like(k, bound))
+                if not (torch.equal(a, a2) and torch.equal(c, c2)):
+                    a = c = None
+            if a is not None:
+                hh, hc = a.numpy(), c.numpy()
         zero = torch.zeros_like(n_host)
         state["host"] = self.host.store(state.get("host", {}), _slice(tokens, zero, n_host, hh), seen, kept)
         state["compressed"] = self.compressed.store(state.get("compressed", {}),
