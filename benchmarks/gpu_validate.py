@@ -758,7 +758,8 @@ def write(results, out):
             md += ["", "```", json.dumps(d, indent=1, default=str), "```"]
         elif name == "kernels":
             md += ["", md_table(d.get("kernels", []), ["kernel", "config", "ref_ms", "triton_ms", "speedup", "gbps",
-                                                          "pct_peak", "tflops", "model_ms", "achieved_vs_model", "max_diff", "error"]),
+                                                          "pct_peak", "tflops", "model_ms", "achieved_vs_model",
+                                                          "max_diff", "error"]),
                    "Paged decode attention (bytes = K+V of the held tokens + positions/valid + page table):", "",
                    md_table(d.get("paged_attention", []), ["config", "tokens", "triton_ms", "triton_1split_ms",
                                                            "reference_ms", "dense_sdpa_ms", "speedup_vs_reference",

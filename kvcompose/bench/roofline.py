@@ -224,7 +224,6 @@ def step_cost(name: Any, seen: int, budget: int, m: ModelShape = QWEN3_8B, hw: H
     if pipe.compresses:
         t_ev = held + interval / 2 + host  # candidates of an event: HBM (budget + interval) and tier tokens
         ev: list[Kernel] = []
-        names = [type(b).__name__ for b in (*pipe.leaves, *pipe.protectors)]
         for leaf in pipe.leaves:
             kind = type(leaf).__name__
             if kind == "WindowedAttention":
@@ -258,7 +257,6 @@ def step_cost(name: Any, seen: int, budget: int, m: ModelShape = QWEN3_8B, hw: H
             k.pcie_bytes *= L / interval
             k.per = f"event/{interval}"
         ks.extend(ev)
-        del names
     st.floor_s = max((weights + L * batch * held * kv_row) / hw.hbm, L * batch * host * kv_row / hw.pcie)
     return st
 
