@@ -18,6 +18,7 @@ import sys
 import torch
 
 PEAK_BW = 4.8e12  # H200 HBM3e, bytes/s
+PEAK_FLOPS = 790e12  # H200 bf16 matrix, flop/s (as measured on such machines)
 
 
 def _time_ms(fn, warmup=3, reps=10):
@@ -133,8 +134,11 @@ def bench_kernels(full=False, reps=10):
             continue
         bw = nbytes / (t_tri * 1e-3)
         tf = flops / (t_tri * 1e-3) / 1e12 if flops else 0.0
+        # the roofline (docs/gpu.md): the kernel at the higher of its two roofs, HBM and bf16 matrix
+        model_ms = 1e3 * max(nbytes / PEAK_BW, flops / PEAK_FLOPS)
         row.update(ref_ms=t_ref, triton_ms=t_tri, speedup=t_ref / t_tri, gbps=bw / 1e9,
-                   pct_peak=100 * bw / PEAK_BW, tflops=tf, max_diff=diff)
+                   pct_peak=100 * bw / PEAK_BW, tflops=tf, max_diff=diff, model_ms=model_ms,
+                   achieved_vs_model=model_ms / t_tri)
         results.append(row)
         print(f"{name:28s} {cfg:36s} {t_ref:9.3f} {t_tri:10.3f} {t_ref / t_tri:8.2f} {bw / 1e9:8.0f} "
               f"{100 * bw / PEAK_BW:6.1f} {tf:8.1f} {diff:9.2e}")

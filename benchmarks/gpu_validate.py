@@ -238,7 +238,12 @@ def _paged_case(B, H, G, D, P, T, dtype, seed=0):
                 qpos=qpos, tokens=int(lengths.sum()))
 
 
+def data_sms() -> int:
+    return torch.cuda.get_device_properties(DEV).multi_processor_count if CUDA else 132
+
+
 def part_kernels(data):
+    import kvcompose.bench.roofline as R
     import kvcompose.kernels as K
     from kvcompose.attention import attend, build_mask
     from kvcompose.kernels.paged_attention import gather_pages
@@ -285,6 +290,12 @@ def part_kernels(data):
             row["speedup_vs_dense"] = row["dense_sdpa_ms"] / row["triton_ms"]
             row["gbps"] = nbytes / (row["triton_ms"] * 1e-3) / 1e9
             row["pct_peak"] = 100 * nbytes / (row["triton_ms"] * 1e-3) / PEAK_BW
+            # the roofline model's prediction (kvcompose.bench.roofline: whole pages, KV-split partials)
+            shape = R.ModelShape(layers=1, heads=H * G, kv_heads=H, head_dim=D, elt=elt)
+            mb, _, ms = R.paged_attention_cost(shape, B, c["lengths"].reshape(-1).tolist(), page=P,
+                                               sms=data_sms())
+            row.update(model_bytes=mb, model_splits=ms, model_ms=1e3 * mb / PEAK_BW,
+                       achieved_vs_model=(1e3 * mb / PEAK_BW) / row["triton_ms"])
             del k, v
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"
@@ -292,7 +303,9 @@ def part_kernels(data):
         print(f"  paged {cfg:48s} triton {row.get('triton_ms', float('nan')):8.3f} ms (1 split "
               f"{row.get('triton_1split_ms', float('nan')):8.3f}) ref {row.get('reference_ms', float('nan')):8.3f} "
               f"dense {row.get('dense_sdpa_ms', float('nan')):8.3f}  {row.get('gbps', float('nan')):7.0f} GB/s "
-              f"{row.get('pct_peak', float('nan')):5.1f}%  diff {row.get('max_diff', float('nan')):.2e} {row.get('error', '')}")
+              f"{row.get('pct_peak', float('nan')):5.1f}%  model {row.get('model_ms', float('nan')):8.3f} ms "
+              f"({100 * row.get('achieved_vs_model', float('nan')):5.1f}% of it)  "
+              f"diff {row.get('max_diff', float('nan')):.2e} {row.get('error', '')}")
         del c
         free()
 
@@ -505,6 +518,7 @@ def _slices(deadline, runs_left, floor=1.0):
 def part_decode(data, limit):
     from transformers import DynamicCache
 
+    import kvcompose.bench.roofline as R
     from kvcompose import KVComposeCache
 
     deadline = time.time() + limit
@@ -567,6 +581,15 @@ def part_decode(data, limit):
                 row["peak_kv_MiB"] = row["final_kv_MiB"] = kv / 2**20
             if CUDA:
                 row["peak_device_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+            try:  # the roofline model's step at the middle of the run (kvcompose.bench.roofline)
+                shape = R.ModelShape.from_config(model.config, next(model.parameters()).element_size())
+                pipe = presets["full" if cfg == "hf_dynamic" else cfg]()
+                st = R.step_cost(pipe, prompt + max(1, len(stamps)) // 2, budget, shape, R.H200, B, interval)
+                row.update(model_step_ms=1e3 * st.predicted_s(R.H200), model_floor_ms=1e3 * st.floor_s)
+                if row["steady_tok_s"] == row["steady_tok_s"] and row["steady_tok_s"] > 0:
+                    row["measured_vs_model"] = (1e3 / row["steady_tok_s"]) / row["model_step_ms"]
+            except Exception as exc:  # the model must not cost a measured row
+                row["model_error"] = f"{type(exc).__name__}: {exc}"
             rows.append(row)
             print(f"  B={B} {cfg:18s} {row['tok_s']:8.1f} tok/s/seq (steady {row['steady_tok_s']:8.1f}) "
                   f"{row['decoded']:5d} tokens in <= {slice_s:5.1f} s, peak KV {row['peak_kv_MiB']:8.1f} MiB "
@@ -735,11 +758,13 @@ def write(results, out):
             md += ["", "```", json.dumps(d, indent=1, default=str), "```"]
         elif name == "kernels":
             md += ["", md_table(d.get("kernels", []), ["kernel", "config", "ref_ms", "triton_ms", "speedup", "gbps",
-                                                          "pct_peak", "tflops", "max_diff", "error"]),
+                                                          "pct_peak", "tflops", "model_ms", "achieved_vs_model",
+                                                          "max_diff", "error"]),
                    "Paged decode attention (bytes = K+V of the held tokens + positions/valid + page table):", "",
                    md_table(d.get("paged_attention", []), ["config", "tokens", "triton_ms", "triton_1split_ms",
                                                            "reference_ms", "dense_sdpa_ms", "speedup_vs_reference",
-                                                           "speedup_vs_dense", "gbps", "pct_peak", "max_diff", "error"])]
+                                                           "speedup_vs_dense", "gbps", "pct_peak", "model_ms",
+                                                           "model_splits", "achieved_vs_model", "max_diff", "error"])]
         elif name == "tests":
             for ph in d.get("phases", []):
                 md += ["", f"- `{' '.join(ph.get('targets', []))}`: {ph.get('summary') or ph.get('skipped') or ''} "
@@ -755,7 +780,8 @@ def write(results, out):
             md += ["", f"{d.get('model', '')}; prompt {d.get('prompt')} + {d.get('new_tokens')} new tokens, budget "
                        f"{d.get('budget')}, interval {d.get('interval')}. {d.get('note', '')} {d.get('skipped', '')}", "",
                    md_table(d.get("rows", []), ["batch", "config", "decoded", "tok_s", "steady_tok_s", "agg_tok_s", "ratio_vs_full",
-                                                "steady_ratio_vs_full", "ratio_vs_hf_dynamic", "compress_share",
+                                                "steady_ratio_vs_full", "ratio_vs_hf_dynamic", "model_step_ms",
+                                                "model_floor_ms", "measured_vs_model", "compress_share",
                                                 "peak_kv_MiB", "final_kv_MiB", "host_MiB", "peak_device_GiB"])]
         elif name == "tiers":
             md += ["", f"{d.get('skipped', '')} **claim holds: {d.get('claim_holds')}**. Identical logits host vs all-HBM (one unpadded row, where it is "
@@ -780,6 +806,7 @@ def preload() -> float:
 
     import kvcompose  # noqa: F401
     import kvcompose.bench.decode  # noqa: F401
+    import kvcompose.bench.roofline  # noqa: F401
     import kvcompose.kernels  # noqa: F401
     import kvcompose.tiers  # noqa: F401
     import gpu_kernels  # noqa: F401  (benchmarks/gpu_kernels.py: the kernel cases)

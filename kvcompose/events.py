@@ -18,7 +18,9 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from .hostsync import event_reads, with_host
 from .pipeline import Pipeline, Selection
+from .selectors import Selector
 from .prefetch import Merged
 from .segment import Segment
 from .stores import StoreView
@@ -31,11 +33,20 @@ __all__ = ["run_event", "leaving", "rows_over", "rows_due", "host_rows"]
 
 
 def host_rows(rows, device: torch.device) -> Bool[Tensor, " B"] | None:
-    """Rows an event cuts, from a host answer (numpy or a list) or a device tensor; None: no row."""
+    """Rows an event cuts, from a host answer (numpy or a list) or a device tensor; None: no row. The device
+    tensor carries its host copy (`rows.host`), so the event does not read it back."""
     if isinstance(rows, Tensor):  # an allocator that answers on the device (one host sync)
-        return rows if bool(rows.any()) else None
+        h = rows.cpu().numpy().astype(bool)
+        if not h.any():
+            return None
+        rows.host = h
+        return rows
     rows = np.asarray(rows, dtype=bool)
-    return torch.from_numpy(rows).to(device, non_blocking=True) if rows.any() else None
+    if not rows.any():
+        return None
+    out = torch.from_numpy(rows).to(device, non_blocking=True)
+    out.host = rows
+    return out
 
 
 def rows_over(layer: Any, seg: Segment) -> Bool[Tensor, " B"] | None:
@@ -67,38 +78,74 @@ def rows_due(layer: Any, seg: Segment, decoded: int) -> Bool[Tensor, " B"] | Non
 
 def run_event(layer: Any, seg: Segment, rows: Tensor | None, budget: int | None, pipe: Pipeline,
               merged: Merged | None) -> Selection:
-    """One compression event of `seg` (see `ComposeLayer.compress`)."""
+    """One compression event of `seg` (see `ComposeLayer.compress`). Its host syncs are batched
+    (`kvcompose.hostsync`): one read after the selection (every pending check, the kept counts when the host
+    cannot derive them), before anything changes; a per-head allocator's budgets and a compressed tier's
+    counts are the only other reads."""
     if budget is None:
         budget = layer.layer_budget(seg.start + seg.n)
     if budget is None:
         raise KVComposeError(f"layer {layer.layer_idx}: compressing needs a budget")
     layer._track_peak()  # the peak is reached just before a compaction
-    view, channels, merged = layer.view(seg, rows, merged)
-    sel, seg.blocks = pipe.select(view, budget, seg.blocks, channels)
-    kept = sel.kept
-    b, h, t = view.shape
-    dev = view.device
-    if rows is not None and not bool(rows.all()):
-        width = max(kept.shape[-1], t)
-        every = torch.arange(width, device=dev).expand(b, h, width)
-        every = torch.where(every < (view.positions < FAR_POSITION).sum(-1, keepdim=True), every,
-                            torch.full_like(every, -1))
-        pad = torch.full((b, h, width - kept.shape[-1]), -1, dtype=kept.dtype, device=dev)
-        kept = torch.where(rows[:, None, None], torch.cat([kept, pad], dim=-1), every)
-    n_kept = (kept >= 0).sum(-1)
-    if pipe.tier.holds_tokens:
-        seg.tier = pipe.tier.store(seg.tier, leaving(view, channels, sel.order, n_kept, rows),
-                                   seg.start + seg.n, n_kept, sel.protected)
-    if merged is not None or sel.values is not None:  # tier tokens merged in, or a Merger gave new values
-        safe = kept.clamp(min=0)
-        g = lambda x: take_tokens(x, safe)  # noqa: E731
-        values = view.values if sel.values is None else sel.values
-        seg.store.assign(StoreView(g(view.keys), g(values), g(view.positions), g(view.valid) & (kept >= 0)),
-                         g(channels), n_kept)
-    else:
-        seg.store.compact(kept)
-    if seg.limits is not None:
-        seg.limits = sel.budget if rows is None else torch.where(rows[:, None], sel.budget, seg.limits)
+    with event_reads() as reads:
+        view, channels, merged = layer.view(seg, rows, merged)
+        sel, seg.blocks = pipe.select(view, budget, seg.blocks, channels)
+        kept = sel.kept
+        b, h, t = view.shape
+        dev = view.device
+        rows_host = None if rows is None else getattr(rows, "host", None)
+        if rows is not None and rows_host is None:
+            rows_host = rows.cpu().numpy().astype(bool)  # a caller's device rows (one host sync)
+        some_rows = rows_host is not None and not rows_host.all()
+        if some_rows:
+            width = max(kept.shape[-1], t)
+            every = torch.arange(width, device=dev).expand(b, h, width)
+            every = torch.where(every < (view.positions < FAR_POSITION).sum(-1, keepdim=True), every,
+                                torch.full_like(every, -1))
+            pad = torch.full((b, h, width - kept.shape[-1]), -1, dtype=kept.dtype, device=dev)
+            kept = torch.where(rows[:, None, None], torch.cat([kept, pad], dim=-1), every)
+        n_kept = (kept >= 0).sum(-1)
+        tiered = pipe.tier.holds_tokens
+        assign = merged is not None or sel.values is not None  # tier tokens merged in, or new values
+        # the host values the rest needs: without padding the base selection over every row keeps
+        # min(budget, T) slots per head, real ones first; else the counts are read, with every pending
+        # check, before anything changes
+        padded = seg.store.padded or (tiered and pipe.tier.padded(seg.tier))
+        derive = sel.host_budget is not None and not some_rows and not padded and \
+            type(pipe.selector).__call__ is Selector.__call__
+        want = []
+        if not derive:
+            want.append(n_kept)
+        if not assign and not derive:
+            want.append(seg.store.kept_counts(kept))
+        got = reads.flush(*want)
+        host_kept = np.minimum(sel.host_budget, t) if derive else got.pop(0)
+        host_counts = host_kept if assign or derive else got.pop(0)
+        with_host(n_kept, host_kept)
+        if derive and not assign:
+            host_counts = np.minimum(host_kept, seg.store.host_lengths)  # a head keeps at most what it holds
+        if tiered:
+            real = None  # real (non-padding-slot) candidates per head: the store's and the tier's
+            if not padded:
+                tc = pipe.tier.counts(seg.tier)
+                real = seg.store.host_lengths + (0 if tc is None else tc)
+            tokens = leaving(view, channels, sel.order, n_kept, rows, host_kept, rows_host, real)
+            seg.tier = pipe.tier.store(seg.tier, tokens, seg.start + seg.n, n_kept, sel.protected)
+        if assign:
+            safe = kept.clamp(min=0)
+            g = lambda x: take_tokens(x, safe)  # noqa: E731
+            values = view.values if sel.values is None else sel.values
+            seg.store.assign(StoreView(g(view.keys), g(values), g(view.positions), g(view.valid) & (kept >= 0)),
+                             g(channels), n_kept, host_kept, None if padded else False)
+        else:
+            seg.store.compact(kept, host_counts)
+        if seg.limits is not None:
+            hb = sel.host_budget if sel.host_budget is not None else sel.budget.cpu().numpy()
+            if rows is None:
+                seg.set_limits(sel.budget, hb)
+            else:
+                seg.set_limits(torch.where(rows[:, None], sel.budget, seg.limits),
+                               np.where(rows_host[:, None], hb, seg.host_limits))
     seg.store.fit(layer.room())
     seg.events += 1
     layer._track_peak()
@@ -106,12 +153,28 @@ def run_event(layer: Any, seg: Segment, rows: Tensor | None, budget: int | None,
 
 
 def leaving(view: LayerView, channels: Tensor, order: Int[Tensor, "B H T"], n_kept: Int[Tensor, "B H"],
-            rows: Tensor | None) -> TierTokens:
+            rows: Tensor | None, host_kept: np.ndarray | None = None, host_rows: np.ndarray | None = None,
+            host_real: np.ndarray | None = None) -> TierTokens:
     """The candidates not kept, in priority order: `order[b, h, n_kept[b, h]:]`, padded per head (rows
-    outside `rows` keep every token: nothing of theirs leaves)."""
+    outside `rows` keep every token: nothing of theirs leaves). With `host_kept` (`n_kept` on the host, and
+    `host_rows` with `rows`) the width is known without a host sync; with `host_real` too (the real candidates
+    per head, when none is padding: the kept come first, then the real ones, then the view's padding slots)
+    so are the real tokens that leave (`TierTokens.counts`)."""
     b, h, t = view.shape
     rest = t - n_kept
-    m = int(rest.max()) if rest.numel() else 0
+    counts = None
+    if host_kept is not None:
+        r = t - host_kept
+        if rows is not None:
+            r = np.where(host_rows[:, None], r, 0)
+        m = int(r.max()) if r.size else 0
+        if host_real is not None:
+            counts = np.maximum(host_real - host_kept, 0)
+            if rows is not None:
+                counts = np.where(host_rows[:, None], counts, 0)
+            counts = counts.astype(np.int64)
+    else:
+        m = int(rest.max()) if rest.numel() else 0
     j = torch.arange(m, device=view.device)
     idx = (n_kept[..., None] + j).clamp(max=max(t - 1, 0))
     slots = order.gather(-1, idx)
@@ -120,4 +183,5 @@ def leaving(view: LayerView, channels: Tensor, order: Int[Tensor, "B H T"], n_ke
         inside = inside & rows[:, None, None]
     g = lambda x: take_tokens(x, slots)  # noqa: E731
     pos = torch.where(inside, g(view.positions), torch.full_like(slots, FAR_POSITION) + j)
-    return TierTokens(g(view.keys), g(view.values), pos, g(view.valid) & inside, g(channels))
+    return TierTokens(g(view.keys), g(view.values), pos, g(view.valid) & inside, g(channels), counts=counts,
+                      padded=None if counts is None else False)

@@ -28,6 +28,7 @@ import time
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -176,7 +177,9 @@ class ComposeLayer(CacheLayerMixin):
                                target=self.target_capacity(), reserve=cfg.reserve)
         budget = self.layer_budget()
         if cfg.paged and budget is not None and pipe.compresses:
-            seg.limits = pipe.allocator.initial_limits(budget, s.batch, s.heads, s.device)
+            # made on the host, copied to the device without waiting (no blocking copy at prefill)
+            host = pipe.allocator.initial_limits(budget, s.batch, s.heads, torch.device("cpu"))
+            seg.set_limits(host.to(s.device, non_blocking=True), host.numpy())
         seg.tier = pipe.tier.init(s)
         seg.blocks = pipe.init(s)
 
@@ -394,8 +397,20 @@ class ComposeLayer(CacheLayerMixin):
             query_valid=ring.valid, seen=seg.start + seg.n,
             scale=self.scale if self.scale is not None else self.head_dim**-0.5,
             generator=self.generator, event=seg.events, rows=rows, cache_budget=self.config.budget,
+            host_real=self._host_real(seg),
         )
         return view, channels, merged
+
+    def _host_real(self, seg: Segment) -> np.ndarray | None:
+        """Real slots per (row, head) of the segment's event view, from the host mirrors: the store's lengths
+        plus the tier's counts (None when the tier's counts are not mirrored)."""
+        if seg.store is None:
+            return None
+        tier = self.config.pipeline.tier
+        extra = tier.counts(seg.tier) if tier.holds_tokens else None
+        if tier.holds_tokens and seg.tier and extra is None and tier.version(seg.tier):
+            return None
+        return seg.store.host_lengths + (0 if extra is None else extra)
 
     def compress(self, seg: Segment | None = None, rows: Tensor | None = None, budget: int | None = None,
                  pipeline: Pipeline | None = None, merged: Merged | None = None) -> Selection:

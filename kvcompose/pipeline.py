@@ -19,11 +19,15 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import inspect
+
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from .allocators import Allocator, Uniform
+from .hostsync import check_later
 from .block import Block, Observer, role_of
 from .blocks.merging import Merger
 from .protectors import Protector, ProtectPrompt
@@ -35,6 +39,14 @@ from .view import FAR_POSITION, AttentionStep, KVComposeError, LayerSpec, LayerV
 __all__ = ["Pipeline", "Selection"]
 
 _ROLES = (Scorer, Protector, Selector, Allocator, TierStore, Merger)
+_HINTS: dict[type, bool] = {}
+
+
+def _takes_hints(cls: type) -> bool:
+    """Whether a selector's `__call__` takes the host budgets (`host_budget`, `may_overflow`)."""
+    if cls not in _HINTS:
+        _HINTS[cls] = "host_budget" in inspect.signature(cls.__call__).parameters
+    return _HINTS[cls]
 
 
 @dataclass
@@ -50,6 +62,7 @@ class Selection:
         protected: `[B, H]` how many tokens the protectors protected.
         values: `[B, H, T, Dv]` the view's values with the merged values at kept slots, when the pipeline has a
             `Merger` (None: the kept tokens keep their values).
+        host_budget: `budget` on the host (int64 numpy `[B, H]`).
     """
 
     kept: Int[Tensor, "B H K"]
@@ -58,6 +71,7 @@ class Selection:
     scores: Float[Tensor, "B H T"] | None
     protected: Int[Tensor, "B H"] | None = None
     values: Float[Tensor, "B H T Dv"] | None = None
+    host_budget: Any = None
 
 
 def _check_blocks(blocks: tuple, where: str) -> None:
@@ -301,11 +315,16 @@ class Pipeline:
         per_head, new_alloc = self.allocator(view, budget, self._tree(self._alloc_index, states, channels))
         if isinstance(self._alloc_index, int) and self._slices[self._alloc_index] is None:
             out_states[self._alloc_index] = new_alloc
+        # the budgets on the host: known for a constant allocator, else one read (the event's host syncs are
+        # batched: kvcompose.hostsync)
+        host_budget = self.allocator.host_budgets(per_head, budget)
+        if (host_budget <= 0).any():
+            raise KVComposeError(f"{type(self.allocator).__name__} gave a non-positive budget")
         scores = None
         if self.scorer is not None:
             scores = self.scorer(view, self._tree(self._scorer_index, states, channels))
         protected = torch.zeros_like(view.valid)
-        bmin = int(per_head.min())
+        bmin = int(host_budget.min())
         fixed = [p for p in self.protectors if not isinstance(p, ProtectPrompt)]
         for p in fixed:
             protected |= p(view, bmin)
@@ -313,26 +332,53 @@ class Pipeline:
         if self.tier.holds_tokens:
             retain = partial(self.tier.retained, (view.positions < FAR_POSITION).sum(-1), per_head, view.seen)
         limit = per_head if retain is None else per_head + retain(protected.sum(-1))
-        room = int(limit.min()) - sum(p.max_count(bmin) for p in fixed)
-        for p in self.protectors:
-            if isinstance(p, ProtectPrompt):
+        fixed_max = sum(p.max_count(bmin) for p in fixed)
+        prompt = [p for p in self.protectors if isinstance(p, ProtectPrompt)]
+        # the smallest limit per head the host can vouch for: the budget, plus what the tier keeps of the real
+        # candidates when nothing is protected (retained grows with the protected count)
+        lo = host_budget if retain is None else self._host_limit(view, host_budget, 0)
+        room = 0
+        if prompt:  # the room the other protectors leave (a host read only when the host cannot tell it)
+            exact = lo is not None and (retain is None or np.array_equal(lo, self._host_limit(view, host_budget,
+                                                                                                fixed_max)))
+            room = (int(lo.min()) if exact and lo.size else int(limit.min())) - fixed_max
+            for p in prompt:
                 protected |= p(view, bmin, room)
         n_prot = protected.sum(-1)
         if retain is not None:
             limit = per_head + retain(n_prot)
-        if bool((n_prot > limit).any()):
+        # protectors promise at most their max_count (the prompt at most the room or its sinks): where that
+        # bound fits the host's smallest limit nothing can overflow; else the check is read with the event's
+        # other host values
+        bound = fixed_max + (max([room] + [p.max_count(bmin) for p in prompt]) if prompt else 0)
+        may_overflow = bound > bmin
+        if lo is None or bound > int(lo.min() if lo.size else 0):
             where = "" if limit is per_head else " plus what the tier keeps"
-            raise KVComposeError(
-                f"{int(n_prot.max())} protected tokens do not fit in a budget of {int(per_head.min())}{where} "
-                f"(layer {view.layer_idx}): raise the budget or protect fewer tokens"
-            )
+            check_later(n_prot > limit, lambda: (
+                f"protected tokens do not fit in a budget of {bmin}{where} (layer {view.layer_idx}): raise the "
+                "budget or protect fewer tokens"))
+        n_prot.max_host = bound  # an upper bound on every head's count, for the tier (no host read)
+        hints = {}
+        if _takes_hints(type(self.selector)):  # the selection takes the host budgets: no host sync
+            hints = dict(host_budget=host_budget, may_overflow=may_overflow)
         kept, order = self.selector(scores, protected, view.valid, per_head, view.generator,
-                                    need_order=self.tier.holds_tokens or self.merger is not None, positions=view.positions)
+                                    need_order=self.tier.holds_tokens or self.merger is not None, positions=view.positions,
+                                    **hints)
         values = None
         if self.merger is not None:
             values = self._merge(view, kept, order, n_prot, states, channels, out_states)
-        return (Selection(kept=kept, order=order, budget=per_head, scores=scores, protected=n_prot, values=values),
+        return (Selection(kept=kept, order=order, budget=per_head, scores=scores, protected=n_prot, values=values,
+                          host_budget=host_budget),
                 tuple(out_states))
+
+    def _host_limit(self, view: LayerView, host_budget: Any, protected: int) -> np.ndarray | None:
+        """Per-head limits (budget plus what the tier keeps) on the host, from the mirrored real counts, as if
+        every head protected `protected` tokens; None when the host does not know the counts."""
+        if view.host_real is None:
+            return None
+        ph = torch.from_numpy(np.asarray(host_budget, dtype=np.int64))
+        cand = torch.from_numpy(np.asarray(view.host_real, dtype=np.int64))
+        return (ph + self.tier.retained(cand, ph, view.seen, torch.full_like(ph, protected))).numpy()
 
     def _merge(self, view: LayerView, kept: Int[Tensor, "B H K"], order: Int[Tensor, "B H T"], n_prot: Int[Tensor, "B H"],
                states: tuple, channels: Tensor | None, out_states: list) -> Float[Tensor, "B H T Dv"]:

@@ -162,7 +162,7 @@ class ProtectPrompt(Protector):
         if self.limit is not None:
             cap = min(cap, resolve_count(self.limit, budget))
         prompt = view.is_prompt & view.valid
-        if int(prompt.sum(-1).max()) <= cap:
+        if view.prompt_length <= cap:  # decided on the host: no (row, head) holds more prompt tokens
             return prompt
         if self.keep == "first":
             return _rank_mask(-view.positions, cap, prompt)

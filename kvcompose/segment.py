@@ -198,9 +198,14 @@ class Segment:
         return self._limits
 
     @limits.setter
-    def limits(self, value: Tensor | None) -> None:  # set at events and batch operations: one host sync
+    def limits(self, value: Tensor | None) -> None:  # batch operations: one host sync
         self._limits = value
         self.host_limits = None if value is None else value.cpu().numpy().astype(np.int64)
+
+    def set_limits(self, value: Tensor, host: np.ndarray) -> None:
+        """Set the limits with their host copy (the caller has it: no host sync)."""
+        self._limits = value
+        self.host_limits = np.asarray(host, dtype=np.int64)
 
     def held(self) -> int:
         return 0 if self.store is None else self.store.held

@@ -14,6 +14,7 @@ all follow one ranking.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from typing import Literal
 
@@ -21,6 +22,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .block import Block, require_role
+from .hostsync import check_later
 from .kernels.ref import run_sums, top_last
 from .view import KVComposeError
 
@@ -46,9 +48,17 @@ def priority_order(
     return (t - 1) - o
 
 
-def _kept_from_order(order: Int[Tensor, "B H T"], budget: Int[Tensor, "B H"]) -> Int[Tensor, "B H K"]:
+def _kmax(budget: Int[Tensor, "B H"], t: int, host_budget: np.ndarray | None) -> int:
+    """The kept width: the largest budget (at most `t`), from the host copy when there is one (no sync)."""
+    if host_budget is not None:
+        return int(min(int(host_budget.max()) if host_budget.size else 0, t))
+    return int(budget.max().clamp(max=t))
+
+
+def _kept_from_order(order: Int[Tensor, "B H T"], budget: Int[Tensor, "B H"],
+                     host_budget: np.ndarray | None = None) -> Int[Tensor, "B H K"]:
     t = order.shape[-1]
-    kmax = int(budget.max().clamp(max=t))
+    kmax = _kmax(budget, t, host_budget)
     idx = order[..., :kmax]
     keep = torch.arange(kmax, device=order.device)[None, None, :] < budget[..., None].clamp(max=t)
     idx = torch.where(keep, idx, torch.full_like(idx, t)).sort(dim=-1).values
@@ -65,13 +75,13 @@ def _kept_first(order: Int[Tensor, "B H T"], kept: Int[Tensor, "B H K"]) -> Int[
 
 
 def indices_from_priority(
-    priority: Float[Tensor, "B H T"], budget: Int[Tensor, "B H"]
+    priority: Float[Tensor, "B H T"], budget: Int[Tensor, "B H"], host_budget: np.ndarray | None = None
 ) -> Int[Tensor, "B H K"]:
     """Keep the `budget[b, h]` slots of highest priority (newest first among equal priorities, as in
     `priority_order`, so that ties break the same way whatever the width of the batch); return them sorted
-    ascending, -1 padded."""
+    ascending, -1 padded. `host_budget`: the same budgets on the host (then no host sync)."""
     b, h, t = priority.shape
-    kmax = int(budget.max().clamp(max=t))
+    kmax = _kmax(budget, t, host_budget)
     top = top_last(priority, kmax)  # [B, H, K]; not topk, whose tie-break depends on T and the device
     rank = torch.arange(kmax, device=priority.device)
     keep = rank[None, None, :] < budget[..., None].clamp(max=t)
@@ -104,25 +114,39 @@ class Selector(Block):
         generator: torch.Generator | None = None,
         need_order: bool = False,
         positions: Int[Tensor, "B H T"] | None = None,
+        *,
+        host_budget: np.ndarray | None = None,
+        may_overflow: bool = True,
     ) -> tuple[Int[Tensor, "B H K"], Int[Tensor, "B H T"] | None]:
         """`(kept, order)`: see the module docstring. Protected tokens beyond a head's budget (allowed only
-        when a tier store keeps what HBM does not) are ranked by priority among themselves."""
+        when a tier store keeps what HBM does not) are ranked by priority among themselves.
+
+        `host_budget`: `budget` on the host (the pipeline has it), so the selection needs no host sync;
+        `may_overflow=False`: the caller knows no head protects more tokens than its budget."""
         if self.needs_scores and scores is None:
             raise KVComposeError(f"{type(self).__name__} needs scores but the pipeline has no scorer")
-        if (budget <= 0).any():
+        if host_budget is not None:
+            if (host_budget <= 0).any():
+                raise KVComposeError(f"budget must be positive, got min {int(host_budget.min())}")
+        elif (budget <= 0).any():
             raise KVComposeError(f"budget must be positive, got min {int(budget.min())}")
         raw = self.priority(scores, valid, generator).float()
-        overflow = bool((protected.sum(-1) > budget).any())
-        if overflow or need_order:
+        if host_budget is None:  # a standalone call: decide on the host, as always
+            overflow: bool | Tensor = bool((protected.sum(-1) > budget).any())
+        else:  # decided on the device (no host sync): both selections, one picked by the flag
+            overflow = (protected.sum(-1) > budget).any() if may_overflow else False
+        if overflow is not False or need_order:
             order = priority_order(raw, protected, valid)
-        if overflow:
-            kept = _kept_from_order(order, budget)
+        if overflow is True:
+            kept = _kept_from_order(order, budget, host_budget)
         else:
             # order: protected > other valid tokens (by priority) > padding
             finite = torch.nan_to_num(raw, nan=-3e38, posinf=3e38, neginf=-3e38).clamp(-1e30, 1e30)
             pri = torch.where(protected, torch.full_like(finite, 3e38), finite)
             pri = torch.where(valid, pri, torch.full_like(finite, -3e38))
-            kept = indices_from_priority(pri, budget)
+            kept = indices_from_priority(pri, budget, host_budget)
+            if isinstance(overflow, Tensor):
+                kept = torch.where(overflow, _kept_from_order(order, budget, host_budget), kept)
         return kept, (_kept_first(order, kept) if need_order else None)
 
     def __repr__(self) -> str:
@@ -155,8 +179,7 @@ class Sample(Selector):
         self.temperature, self.eps = temperature, eps
 
     def priority(self, scores, valid, generator):
-        if (scores < 0).any():
-            raise KVComposeError("Sample needs non-negative scores (it samples in proportion to them)")
+        check_later(scores < 0, "Sample needs non-negative scores (it samples in proportion to them)")
         u = _rand(tuple(scores.shape), generator, scores.device)
         gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
         return torch.log(scores.float() + self.eps) / self.temperature + gumbel
@@ -276,7 +299,7 @@ class BlockGranular(Selector):
         take = ((room >= 0) | prot.gather(-1, order)) & real.gather(-1, order)
         keep_seg = torch.zeros(b, h, t, dtype=torch.bool, device=valid.device).scatter_(-1, order, take)
         keep = keep_seg.gather(-1, seg) & valid
-        kmax = int(keep.sum(-1).max()) if keep.numel() else 0
+        kmax = int(keep.sum(-1).max()) if keep.numel() else 0  # the kept width: one host read
         idx = torch.where(keep, torch.arange(t, device=valid.device).expand(b, h, t), torch.full_like(seg, t))
         kept = idx.sort(-1).values[..., :kmax]
         kept = torch.where(kept >= t, torch.full_like(kept, -1), kept)

@@ -8,6 +8,7 @@ D head dim, W buffered queries, Q new queries.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,8 @@ class LayerView:
         event: how many compression events this layer has run before this one.
         rows: `[B]` the rows this event compresses (None: all of them); the other rows keep every token.
         cache_budget: the budget the cache was given, before any per-layer schedule (None: none).
+        host_real: int64 numpy `[B, H]`: the real slots (positions before `FAR_POSITION`) per (row, head),
+            known on the host (the store's and the tier's mirrored counts), or None.
     """
 
     layer_idx: int
@@ -96,6 +99,7 @@ class LayerView:
     event: int = 0
     rows: Bool[Tensor, " B"] | None = None
     cache_budget: int | None = None
+    host_real: Any = None
 
     @property
     def shape(self) -> tuple[int, int, int]:

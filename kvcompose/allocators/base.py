@@ -24,11 +24,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..block import Block, LayerSchedule
+from ..hostsync import host_of
 from ..view import KVComposeError, LayerView
 
 __all__ = ["Allocator", "Uniform", "round_to_total", "layer_budget"]
@@ -89,6 +91,8 @@ class Allocator(Block):
         needs_budget: False when the allocator derives budgets without the cache's `budget=` (`SeenShare`).
         query_window: how many recent post-RoPE queries the allocator reads (the layer's ring buffer).
         page_size: tokens per page of the paged storage (only read when `uniform` is False).
+        constant: True when `allocate` gives every row and head exactly the `budget` it is called with, so
+            the host knows the budgets without reading the device (`host_budgets`).
 
     Optional: the `LayerSchedule` capability (`layer_budget(layer_idx, num_layers, budget, seen) -> int`);
     `initial_limits(budget, batch, heads, device) -> Long[B, H]`: per-head limits before the first event of a
@@ -98,6 +102,7 @@ class Allocator(Block):
     uniform: bool = True
     needs_budget: bool = True
     page_size: int = 16
+    constant: bool = False
 
     def __call__(self, view: LayerView, budget: int, state: Any = None) -> tuple[Int[Tensor, "B H"], Any]:
         if self.takes_state:
@@ -107,9 +112,15 @@ class Allocator(Block):
         b, h, _ = view.shape
         if out.shape != (b, h):
             raise KVComposeError(f"{type(self).__name__} returned budgets of shape {tuple(out.shape)}, expected {(b, h)}")
-        if (out <= 0).any():
-            raise KVComposeError(f"{type(self).__name__} gave a non-positive budget")
-        return out, state
+        return out, state  # positive budgets: checked by the pipeline on the host copy (`host_budgets`)
+
+    def host_budgets(self, budgets: Int[Tensor, "B H"], budget: int) -> np.ndarray:
+        """The budgets `allocate` gave (`[B, H]`), on the host: `budget` everywhere for a `constant`
+        allocator, else one device read (the event's second at most)."""
+        if self.constant:
+            return np.full(tuple(budgets.shape), budget, dtype=np.int64)
+        host = host_of(budgets)  # an allocator that read its budgets already attaches them
+        return host if host is not None else budgets.cpu().numpy().astype(np.int64)
 
     def allocate(self, view: LayerView, budget: int, *state: Any) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -142,6 +153,8 @@ class Allocator(Block):
 
 class Uniform(Allocator):
     """The same budget for every layer, row and KV head (every reference method's default)."""
+
+    constant = True
 
     def allocate(self, view: LayerView, budget: int) -> Int[Tensor, "B H"]:
         b, h, _ = view.shape

@@ -11,6 +11,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ..block import LayerSchedule, require_role
+from ..hostsync import with_host
 from ..kernels import window_attention_scores
 from ..view import FAR_POSITION, KVComposeError, LayerSpec, LayerView
 from .base import Allocator, _check_budget, _is_int, _share, round_to_total
@@ -367,34 +368,41 @@ class GrowPage(Allocator):
             new = view.query_valid & (view.query_positions > last)[None, :]
             self._ema_update(state, "fast", self.fast, view.queries, new)
             self._ema_update(state, "slow", self.slow, view.queries, new)
-            state["last"] = int(view.query_positions[-1])
         pages = state.get("pages")
         if pages is None or pages.shape != (b,):
             pages = torch.full((b,), self.initial_pages(budget), dtype=torch.long, device=dev)
         act = torch.ones(b, dtype=torch.bool, device=dev) if view.rows is None else view.rows.to(dev)
         held = (view.positions < FAR_POSITION).sum(-1).amax(-1)  # slots per row (padding included)
         want = self.row_want(view, state)
+        zero = torch.zeros((), dtype=torch.long, device=dev)
+        returned = zero
         if self.shrink:
             give_back = (want <= pages - 2) & act
             pages = torch.where(give_back, pages - 1, pages).clamp(min=self.floor)
-            state["returned"] = state.get("returned", 0) + int(give_back.sum())
+            returned = give_back.sum()
         deficit = (want - pages).clamp(min=0) * (act & (held >= pages * pgs)).long()
-        free = self.cap_pages(budget, b) - int(pages.sum())
-        n_req = int((deficit > 0).sum())
-        if n_req and free > 0:
-            order = torch.sort(deficit, descending=True, stable=True).indices
-            grant = torch.zeros(b, dtype=torch.long, device=dev)
-            grant[order[: min(free, n_req)]] = 1
-            pages = pages + grant
-            state["granted"] = state.get("granted", 0) + int(grant.sum())
-        state["denied"] = state.get("denied", 0) + max(0, n_req - max(free, 0))
+        free = (self.cap_pages(budget, b) - pages.sum()).clamp(min=0)
+        n_req = (deficit > 0).sum()
+        # the first min(free, requests) rows by deficit get a page each (on the device: no host decision)
+        order = torch.sort(deficit, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(b, device=dev))
+        grant = (rank < torch.minimum(free, n_req)).long()
+        pages = pages + grant
         ceiling = pages * pgs
         compress = act & (held >= ceiling)
-        state["compressed"] = state.get("compressed", 0) + int(compress.sum())
-        state["pages"] = pages
-        state["pages_host"] = pages.cpu().numpy()  # what `due` reads at every step, without a host sync
         out = torch.where(compress, ceiling - self.room, ceiling)
-        return out[:, None].expand(b, h).contiguous(), state
+        state["pages"] = pages
+        # one host read: the pages (what `due` reads at every step), the budgets, the counters, the newest query
+        last_q = view.query_positions[-1:] if view.queries is not None else zero[None] - 1
+        got = torch.cat([pages, out, torch.stack([returned, grant.sum(), (n_req - free).clamp(min=0),
+                                                  compress.sum()]), last_q.to(torch.long)]).cpu().numpy()
+        state["pages_host"] = got[:b].astype(np.int64)
+        for i, k in enumerate(("returned", "granted", "denied", "compressed")):
+            state[k] = state.get(k, 0) + int(got[2 * b + i])
+        if view.queries is not None:
+            state["last"] = int(got[-1])
+        budgets = out[:, None].expand(b, h).contiguous()
+        return with_host(budgets, np.repeat(got[b : 2 * b, None], h, axis=1).astype(np.int64)), state
 
     def map_rows(self, state: Any, fn, batch: int) -> Any:
         state = super().map_rows(state, fn, batch)

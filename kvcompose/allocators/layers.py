@@ -57,6 +57,8 @@ class SeenShare(Allocator):
         k = max(1, seen - rest)
         return k if budget is None else max(1, min(budget, k))
 
+    constant = True  # allocate gives every head the layer budget
+
     def allocate(self, view: LayerView, budget: int) -> Int[Tensor, "B H"]:
         b, h, _ = view.shape
         return torch.full((b, h), budget, dtype=torch.long, device=view.device)
@@ -74,6 +76,8 @@ class SeenShare(Allocator):
 
 class _PerLayer(Allocator):
     """A per-layer schedule: every head of layer l gets `layer_budget(l)`; dense storage per layer."""
+
+    constant = True
 
     def __init__(self) -> None:
         self._memo: dict[tuple[int, int], list[int]] = {}

@@ -1,7 +1,6 @@
 """Fused gather of the kept KV rows (the compaction step of every eviction policy:
 SnapKV arXiv 2404.14469, R-KV arXiv 2505.24133, VaSE)."""
 
-import contextlib
 from typing import Optional, no_type_check
 
 import torch
@@ -10,7 +9,7 @@ from torch import Tensor
 
 from . import _checks as C
 from . import ref
-from .dispatch import HAS_TRITON, select_backend
+from .dispatch import HAS_TRITON, launch, select_backend
 
 if HAS_TRITON:
     import triton
@@ -18,11 +17,11 @@ if HAS_TRITON:
 
     @triton.jit
     @no_type_check
-    def _gather_block(src, dst, idx_row, k0, K, offs_d, dmask,
+    def _gather_block(src, dst, idx_row, si_k, k0, K, offs_d, dmask,
                       s_t, s_d, d_t, d_d, BLOCK_K: tl.constexpr):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < K
-        rows = tl.load(idx_row + offs_k, mask=kmask, other=0).to(tl.int64)
+        rows = tl.load(idx_row + offs_k.to(tl.int64) * si_k, mask=kmask, other=0).to(tl.int64)
         m = kmask[:, None] & dmask[None, :]
         x = tl.load(src + rows[:, None] * s_t + offs_d[None, :] * s_d, mask=m)
         # Every load of this block is done before any store: needed for in-place use.
@@ -55,12 +54,12 @@ if HAS_TRITON:
         if SEQUENTIAL:
             # In place: one program walks K in ascending blocks; safe when idx[k] >= k.
             for k0 in range(0, K, BLOCK_K):
-                _gather_block(ks, kd, idx_row, k0, K, offs_d, dmask, sk_t, sk_d, dk_t, dk_d, BLOCK_K)
-                _gather_block(vs, vd, idx_row, k0, K, offs_d, dmask, sv_t, sv_d, dv_t, dv_d, BLOCK_K)
+                _gather_block(ks, kd, idx_row, si_k, k0, K, offs_d, dmask, sk_t, sk_d, dk_t, dk_d, BLOCK_K)
+                _gather_block(vs, vd, idx_row, si_k, k0, K, offs_d, dmask, sv_t, sv_d, dv_t, dv_d, BLOCK_K)
         else:
             k0 = tl.program_id(2) * BLOCK_K
-            _gather_block(ks, kd, idx_row, k0, K, offs_d, dmask, sk_t, sk_d, dk_t, dk_d, BLOCK_K)
-            _gather_block(vs, vd, idx_row, k0, K, offs_d, dmask, sv_t, sv_d, dv_t, dv_d, BLOCK_K)
+            _gather_block(ks, kd, idx_row, si_k, k0, K, offs_d, dmask, sk_t, sk_d, dk_t, dk_d, BLOCK_K)
+            _gather_block(vs, vd, idx_row, si_k, k0, K, offs_d, dmask, sv_t, sv_d, dv_t, dv_d, BLOCK_K)
 
 
 def _extent(t: Tensor) -> tuple[int, int]:
@@ -87,14 +86,14 @@ def _compact_triton(keys, values, idx, out_keys, out_values, sequential):
     BLOCK_D = min(triton.next_power_of_2(D), 32 if sequential else 128)
     BLOCK_K = 64
     grid = (B * H, triton.cdiv(D, BLOCK_D), 1 if sequential else triton.cdiv(K, BLOCK_K))
-    with torch.cuda.device(keys.device) if keys.is_cuda else contextlib.nullcontext():
-        _compact_kernel[grid](
-            keys, values, idx, out_keys, out_values,
-            H, K, D,
-            *keys.stride(), *values.stride(), *idx.stride(),
-            *out_keys.stride(), *out_values.stride(),
-            SEQUENTIAL=sequential, BLOCK_K=BLOCK_K, BLOCK_D=BLOCK_D,
-        )
+    launch(
+        _compact_kernel, grid,
+        keys, values, idx, out_keys, out_values,
+        H, K, D,
+        *keys.stride(), *values.stride(), *idx.stride(),
+        *out_keys.stride(), *out_values.stride(),
+        SEQUENTIAL=sequential, BLOCK_K=BLOCK_K, BLOCK_D=BLOCK_D,
+    )
     return out_keys, out_values
 
 

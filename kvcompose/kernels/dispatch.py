@@ -15,6 +15,14 @@ the CPU path and the test oracle.  :func:`select_backend` picks one per call:
 4. Automatic rule: all tensors on CUDA and Triton importable -> ``"triton"``;
    anything else -> ``"reference"``.
 
+Every wrapper launches its Triton kernels through :func:`launch` (the one place that
+enters the CUDA device and calls ``kernel[grid](...)``).  :class:`intercept_launches`
+replaces the launch by a callable for checks without a GPU: the ahead-of-time compile
+check (``kvcompose.bench.aot``) records each launch's signature and constexprs (the
+wrappers see a GPU with ``sms`` multiprocessors), and the fake-CUDA decode test runs
+each launch on the real halves of its tensors.  While one is active the backend is
+``"triton"`` for tensors on CUDA (also fake ones), whatever the device can do.
+
 ``force_reference`` and ``use_triton`` work both as plain calls (the setting stays
 until changed) and as context managers (the previous setting is restored on exit)::
 
@@ -26,7 +34,9 @@ until changed) and as context managers (the previous setting is restored on exit
 The state is process-global (not thread-local).
 """
 
+import contextlib
 import os
+from collections.abc import Callable
 from typing import Any, Literal, Optional, no_type_check
 
 import torch
@@ -49,6 +59,9 @@ __all__ = [
     "select_backend",
     "backend_for_device",
     "triton_usable_on",
+    "launch",
+    "intercept_launches",
+    "multiprocessor_count",
 ]
 
 Backend = Literal["triton", "reference"]
@@ -66,7 +79,7 @@ if HAS_TRITON:
 else:  # pragma: no cover
     TRITON_INTERPRETED = False
 
-_STATE: dict = {"use_triton": None, "force_reference": None}
+_STATE: dict = {"use_triton": None, "force_reference": None, "intercept": None}
 
 
 class _Setting:
@@ -140,6 +153,8 @@ def backend_for_device(device: torch.device) -> Backend:
         return "triton"
     if forced is False:
         return "reference"
+    if _STATE["intercept"] is not None and device.type == "cuda":
+        return "triton"  # launches are intercepted: nothing runs on a device
     fr = _STATE["force_reference"]
     if fr is True or (fr is None and _env_forces_reference()):
         return "reference"
@@ -153,3 +168,53 @@ def select_backend(*tensors: Optional[torch.Tensor]) -> Backend:
     the public kernels have already checked that they share one device)."""
     ts = [t for t in tensors if t is not None]
     return backend_for_device(ts[0].device if ts else torch.device("cpu"))
+
+
+# ============================================================================ launches
+LaunchHook = Callable[[Any, tuple, tuple, dict], Any]
+
+
+class intercept_launches:
+    """Context manager: every :func:`launch` calls ``hook(kernel, grid, args, kwargs)`` instead of
+    launching (``kernel`` the ``@triton.jit`` function, ``grid`` a tuple of ints, ``args`` /
+    ``kwargs`` exactly what ``kernel[grid](*args, **kwargs)`` would get), and
+    :func:`multiprocessor_count` answers ``sms``.  While it is active, tensors on CUDA take the
+    Triton path even where no CUDA runtime exists (fake CUDA tensors).  Not reentrant across
+    threads (the state is process-global, like the other switches)."""
+
+    def __init__(self, hook: LaunchHook, sms: int = 132) -> None:
+        if not callable(hook):
+            raise ValueError(f"intercept_launches: hook must be callable, got {hook!r}")
+        if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
+            raise ValueError(f"intercept_launches: sms must be a positive int, got {sms!r}")
+        self.hook, self.sms = hook, sms
+        self._prev = None
+
+    def __enter__(self) -> "intercept_launches":
+        self._prev = _STATE["intercept"]
+        _STATE["intercept"] = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _STATE["intercept"] = self._prev
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a CUDA device; under :class:`intercept_launches`,
+    its ``sms``)."""
+    hook = _STATE["intercept"]
+    if hook is not None:
+        return hook.sms
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
+    """``kernel[grid](*args, **kwargs)`` on the device of the first tensor argument (entered as the
+    current CUDA device), or the active :class:`intercept_launches` hook instead."""
+    hook = _STATE["intercept"]
+    if hook is not None:
+        return hook.hook(kernel, tuple(grid), args, kwargs)
+    dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    ctx = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        return kernel[grid](*args, **kwargs)

@@ -34,7 +34,6 @@ padded ``[B, H, T, D]`` view and run masked SDPA with the query group folded, ex
 as ``kvcompose.attention.attend`` over ``build_mask``.
 """
 
-import contextlib
 import math
 from typing import Optional, no_type_check
 
@@ -44,7 +43,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from . import _checks as C
-from .dispatch import HAS_TRITON, TRITON_INTERPRETED, select_backend
+from .dispatch import HAS_TRITON, TRITON_INTERPRETED, launch, multiprocessor_count, select_backend
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_reference", "gather_pages"]
 
@@ -208,14 +207,33 @@ def paged_decode_attention_reference(
 _FLOAT = "a float tensor (fp16/bf16/fp32)"
 
 
-def _auto_splits(device: torch.device, programs: int, max_tokens: int, block_n: int) -> int:
+#: Tokens a KV split holds at least (automatic splits).
+MIN_SPLIT_TOKENS = 256
+#: Query rows (G * Q folded) per program: the tensor-core tile's M; more rows take more programs.
+BLOCK_R = 16
+
+
+def decode_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` of the paged kernel for a head dim (the larger of the key's and
+    the value's) and a dtype, chosen from the compiled kernels' resource use (``kvcompose.bench.aot``:
+    no spill and at most 128 registers per thread at 4 warps on sm_80 and sm_90). The K^T and V tiles are
+    gathered through the page table, so every element carries its own address: the tile width is what
+    registers allow. fp32 inputs (exact fp32 products on CUDA cores) use one stage."""
+    bd = max(16, triton.next_power_of_2(head_dim)) if HAS_TRITON else head_dim
+    wide = 4 if bd <= 128 else 8
+    if dtype == torch.float32:
+        return 16, wide, 1
+    return (32 if bd <= 64 else 16), wide, 2
+
+
+def _auto_splits(device: torch.device, programs: int, max_tokens: int) -> int:
     """KV splits so that about two waves of programs fill the GPU, each split at least
-    4 blocks of tokens; 1 under the interpreter (every program costs ~1 ms there)."""
+    ``MIN_SPLIT_TOKENS`` tokens; 1 under the interpreter (every program costs ~1 ms there)."""
     if device.type != "cuda" or TRITON_INTERPRETED:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = multiprocessor_count(device)
     want = math.ceil(2 * sms / max(1, programs))
-    cap = max(1, max_tokens // (4 * block_n))
+    cap = max(1, max_tokens // MIN_SPLIT_TOKENS)
     return int(max(1, min(want, cap, 64)))
 
 
@@ -322,12 +340,11 @@ def _paged_triton(query, keys, values, positions, valid, page_table, lengths, qp
     G = Hq // H
     R = G * Q
     dev = query.device
-    BLOCK_R = max(16, min(64, triton.next_power_of_2(R)))
-    BLOCK_N = 64 if max(D, Dv) <= 128 else 32
+    BLOCK_N, num_warps, num_stages = decode_config(max(D, Dv), query.dtype)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_DV = max(16, triton.next_power_of_2(Dv))
     n_rt = triton.cdiv(R, BLOCK_R)
-    S = num_splits if num_splits is not None else _auto_splits(dev, B * H * n_rt, M * P, BLOCK_N)
+    S = num_splits if num_splits is not None else _auto_splits(dev, B * H * n_rt, M * P)
     one = S == 1
     # the interpreter truncates fp32 -> 16-bit stores where torch rounds: store fp32 there, cast with torch
     out_dtype = torch.float32 if TRITON_INTERPRETED else query.dtype
@@ -340,19 +357,20 @@ def _paged_triton(query, keys, values, positions, valid, page_table, lengths, qp
         acc_part = torch.empty((S, B * H, R, Dv), dtype=torch.float32, device=dev)
     ok8 = valid.view(torch.uint8)
     grid = (B * H, n_rt, S)
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        _paged_decode_kernel[grid](
-            query, keys, values, positions, ok8, page_table, lengths, qpos, out, m_part, l_part, acc_part,
-            H, G, Q, R, D, Dv, P, S, scale, int(window) if window is not None else 0,
-            *query.stride(), *keys.stride(), *values.stride(), *positions.stride(), *ok8.stride(),
-            *page_table.stride(), *lengths.stride(), qpos.stride(0), *out.stride(),
-            HAS_WINDOW=window is not None, ONE_SPLIT=one,
-            # the interpreter mis-handles 16-bit arithmetic: upcast there; on GPU 16-bit inputs use
-            # tensor cores (fp32 accumulation), fp32 inputs exact fp32 products
-            UPCAST=TRITON_INTERPRETED,
-            PRECISION="ieee" if (query.dtype == torch.float32 or TRITON_INTERPRETED) else "tf32",
-            BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-        )
+    launch(
+        _paged_decode_kernel, grid,
+        query, keys, values, positions, ok8, page_table, lengths, qpos, out, m_part, l_part, acc_part,
+        H, G, Q, R, D, Dv, P, S, scale, int(window) if window is not None else 0,
+        *query.stride(), *keys.stride(), *values.stride(), *positions.stride(), *ok8.stride(),
+        *page_table.stride(), *lengths.stride(), qpos.stride(0), *out.stride(),
+        HAS_WINDOW=window is not None, ONE_SPLIT=one,
+        # the interpreter mis-handles 16-bit arithmetic: upcast there; on GPU 16-bit inputs use
+        # tensor cores (fp32 accumulation), fp32 inputs exact fp32 products
+        UPCAST=TRITON_INTERPRETED,
+        PRECISION="ieee" if (query.dtype == torch.float32 or TRITON_INTERPRETED) else "tf32",
+        BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        num_warps=num_warps, num_stages=num_stages,
+    )
     if not one:
         # merge the splits: out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)
         mx = m_part.amax(0)

@@ -2,7 +2,6 @@
 keys per channel (groups of ``group`` tokens along T for each channel), values per
 token (groups of ``group`` channels along D for each token)."""
 
-import contextlib
 from dataclasses import dataclass
 from typing import Optional, no_type_check
 
@@ -12,7 +11,7 @@ from torch import Tensor
 
 from . import _checks as C
 from . import ref
-from .dispatch import HAS_TRITON, select_backend
+from .dispatch import HAS_TRITON, launch, select_backend
 
 if HAS_TRITON:
     import triton
@@ -229,9 +228,6 @@ class QTensor:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
 
 
-def _dev_ctx(t: Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
 
 def quantize(
     x: Float[Tensor, "*batch T D"], bits: int = 8, group: int = 32, axis: str = "channel"
@@ -275,19 +271,20 @@ def quantize(
             sshape = (N, T, NG)
         scale = torch.empty(sshape, dtype=torch.float32, device=x.device)
         zero = torch.empty_like(scale)
-        with _dev_ctx(x):
-            if axis == "channel":
-                BLOCK_D = max(2, min(triton.next_power_of_2(D), max(2, 4096 // group), 128))
-                _quant_channel_kernel[(N, NG, triton.cdiv(D, BLOCK_D))](
-                    x3, codes, scale, zero, T, D, NG, *x3.stride(),
-                    BITS=bits, GROUP=group, BLOCK_D=BLOCK_D,
-                )
-            else:
-                BLOCK_T = max(1, min(64, 4096 // group))
-                _quant_token_kernel[(N, triton.cdiv(T, BLOCK_T))](
-                    x3, codes, scale, zero, T, D, NG, *x3.stride(),
-                    BITS=bits, GROUP=group, BLOCK_T=BLOCK_T,
-                )
+        if axis == "channel":
+            BLOCK_D = max(2, min(triton.next_power_of_2(D), max(2, 4096 // group), 128))
+            launch(
+                _quant_channel_kernel, (N, NG, triton.cdiv(D, BLOCK_D)),
+                x3, codes, scale, zero, T, D, NG, *x3.stride(),
+                BITS=bits, GROUP=group, BLOCK_D=BLOCK_D,
+            )
+        else:
+            BLOCK_T = max(1, min(64, 4096 // group))
+            launch(
+                _quant_token_kernel, (N, triton.cdiv(T, BLOCK_T)),
+                x3, codes, scale, zero, T, D, NG, *x3.stride(),
+                BITS=bits, GROUP=group, BLOCK_T=BLOCK_T,
+            )
     return QTensor(
         codes=codes.reshape(*lead, *codes.shape[1:]),
         scale=scale.reshape(*lead, *scale.shape[1:]),
@@ -324,17 +321,18 @@ def dequantize(q: QTensor, dtype: Optional[torch.dtype] = None) -> Float[Tensor,
         out = ref.dequantize(codes, scale, zero, q.bits, q.group, q.axis, D, dtype)
     else:
         out = torch.empty((N, T, D), dtype=dtype, device=codes.device)
-        with _dev_ctx(codes):
-            if q.axis == "channel":
-                BLOCK_D = max(2, min(triton.next_power_of_2(D), max(2, 4096 // q.group), 128))
-                _dequant_channel_kernel[(N, ng_shape[0], triton.cdiv(D, BLOCK_D))](
-                    codes, scale, zero, out, T, D, ng_shape[0],
-                    BITS=q.bits, GROUP=q.group, BLOCK_D=BLOCK_D,
-                )
-            else:
-                BLOCK_T = max(1, min(64, 4096 // q.group))
-                _dequant_token_kernel[(N, triton.cdiv(T, BLOCK_T))](
-                    codes, scale, zero, out, T, D, ng_shape[1],
-                    BITS=q.bits, GROUP=q.group, BLOCK_T=BLOCK_T,
-                )
+        if q.axis == "channel":
+            BLOCK_D = max(2, min(triton.next_power_of_2(D), max(2, 4096 // q.group), 128))
+            launch(
+                _dequant_channel_kernel, (N, ng_shape[0], triton.cdiv(D, BLOCK_D)),
+                codes, scale, zero, out, T, D, ng_shape[0],
+                BITS=q.bits, GROUP=q.group, BLOCK_D=BLOCK_D,
+            )
+        else:
+            BLOCK_T = max(1, min(64, 4096 // q.group))
+            launch(
+                _dequant_token_kernel, (N, triton.cdiv(T, BLOCK_T)),
+                codes, scale, zero, out, T, D, ng_shape[1],
+                BITS=q.bits, GROUP=q.group, BLOCK_T=BLOCK_T,
+            )
     return out.reshape(shape)

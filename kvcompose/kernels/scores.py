@@ -2,7 +2,6 @@
 arXiv 2505.24133) and observation-window attention scores (SnapKV arXiv 2404.14469,
 R-KV, VaSE)."""
 
-import contextlib
 import math
 from typing import Optional, no_type_check
 
@@ -12,7 +11,7 @@ from torch import Tensor
 
 from . import _checks as C
 from . import ref
-from .dispatch import HAS_TRITON, TRITON_INTERPRETED, select_backend
+from .dispatch import HAS_TRITON, TRITON_INTERPRETED, launch, select_backend
 
 if HAS_TRITON:
     import triton
@@ -55,9 +54,12 @@ if HAS_TRITON:
     def _redundancy_rows_kernel(
         k, valid, rowsum, last, s_last,
         H, T, D, s_b, s_h, s_t, s_d, v_b, v_h, v_t, threshold, eps,
-        PRECISION: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
+        PRECISION: tl.constexpr, LOWP: tl.constexpr,
+        BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        # One program = BLOCK_I rows of S for one (b, h); loops over column tiles.
+        # One program = BLOCK_I rows of S for one (b, h); loops over column tiles. Rows are normalised in
+        # fp32; with LOWP (16-bit keys, compiled) the unit rows go back to the keys' dtype for a tensor-core
+        # dot with fp32 accumulation (the products of two 16-bit numbers are exact in fp32).
         pid_bh = tl.program_id(0)
         pid_i = tl.program_id(1)
         b = (pid_bh // H).to(tl.int64)
@@ -67,6 +69,8 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
         ki = _load_unit_rows(kb, offs_i, T, offs_d, D, s_t, s_d, eps)
+        if LOWP:
+            ki = ki.to(k.dtype.element_ty)
         vi = tl.load(vb + offs_i * v_t, mask=offs_i < T, other=0) != 0
         acc = tl.zeros([BLOCK_I], dtype=tl.float32)
         lastj = tl.full([BLOCK_I], -1, dtype=tl.int32)
@@ -74,6 +78,8 @@ if HAS_TRITON:
         for j0 in range(0, T, BLOCK_J):
             offs_j = j0 + tl.arange(0, BLOCK_J)
             kj = _load_unit_rows(kb, offs_j, T, offs_d, D, s_t, s_d, eps)
+            if LOWP:
+                kj = kj.to(k.dtype.element_ty)
             vj = tl.load(vb + offs_j * v_t, mask=offs_j < T, other=0) != 0
             s = tl.dot(ki, tl.trans(kj), input_precision=PRECISION)
             ok = vi[:, None] & vj[None, :] & (offs_i[:, None] != offs_j[None, :])
@@ -175,9 +181,6 @@ if HAS_TRITON:
             tl.store(out + pid_bh.to(tl.int64) * T + offs_t, acc, mask=tm)
 
 
-def _device_ctx(t: Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
 
 _FLOAT = "a float tensor (fp16/bf16/fp32)"
 
@@ -198,11 +201,11 @@ def value_magnitude(values: Float[Tensor, "B H T D"], kind: str = "range") -> Fl
     out = torch.empty((B, H, T), dtype=torch.float32, device=values.device)
     BLOCK_D = triton.next_power_of_2(D)
     BLOCK_T = max(1, min(128, 4096 // BLOCK_D))
-    with _device_ctx(values):
-        _value_magnitude_kernel[(B * H, triton.cdiv(T, BLOCK_T))](
-            values, out, H, T, D, *values.stride(),
-            L2=(kind == "l2"), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-        )
+    launch(
+        _value_magnitude_kernel, (B * H, triton.cdiv(T, BLOCK_T)),
+        values, out, H, T, D, *values.stride(),
+        L2=(kind == "l2"), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+    )
     return out
 
 
@@ -256,14 +259,18 @@ def key_redundancy(
     last = torch.empty((B, H, T), dtype=torch.int32, device=keys.device)
     s_last = torch.empty((B, H, T), dtype=torch.float32, device=keys.device)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    BLOCK = 64 if BLOCK_D <= 128 else 32
+    # tiles and stages from the compiled kernels' resource use (kvcompose.bench.aot): no spill on sm_80 or
+    # sm_90, shared memory <= 96 KB (a 64-wide fp32 tile at head dim 128 asked 128 KB with 3 stages)
+    wide = BLOCK_D <= (128 if keys.dtype != torch.float32 else 64)
+    BLOCK = 64 if wide else 32
     vu8 = valid.view(torch.uint8)
-    with _device_ctx(keys):
-        _redundancy_rows_kernel[(B * H, triton.cdiv(T, BLOCK))](
-            keys, vu8, rowsum, last, s_last,
-            H, T, D, *keys.stride(), *vu8.stride(), float(threshold), ref.NORM_EPS,
-            PRECISION=precision, BLOCK_I=BLOCK, BLOCK_J=BLOCK, BLOCK_D=BLOCK_D,
-        )
+    launch(
+        _redundancy_rows_kernel, (B * H, triton.cdiv(T, BLOCK)),
+        keys, vu8, rowsum, last, s_last,
+        H, T, D, *keys.stride(), *vu8.stride(), float(threshold), ref.NORM_EPS,
+        PRECISION=precision, LOWP=keys.dtype != torch.float32 and not TRITON_INTERPRETED,
+        BLOCK_I=BLOCK, BLOCK_J=BLOCK, BLOCK_D=BLOCK_D, num_stages=2,
+    )
     return ref.redundancy_from_rows(rowsum, last, s_last, valid)
 
 
@@ -361,8 +368,11 @@ def window_attention_scores(
     key_ok = key_valid if candidates is None else key_valid & candidates
     qw = ref.query_weights(query_valid)  # float32 [B, W]
     BLOCK_T = 64
-    BLOCK_W = min(64, max(16, triton.next_power_of_2(W)))
     BLOCK_D = max(16, triton.next_power_of_2(D))
+    # query tiles of 16 rows and 2 stages: the key tile is loaded once per program, a query tile is small, and
+    # 64-row tiles (W=64) spilled on sm_80 and asked 128 KB (fp32, head dim 128) to 256 KB (head dim 256) of
+    # shared memory on sm_90; 32-row tiles still spilled at bf16 on sm_80 (kvcompose.bench.aot)
+    BLOCK_W = 16
     NT = triton.cdiv(T, BLOCK_T)
     GS = 1 if gqa == "max" else G
     dev = keys.device
@@ -375,22 +385,23 @@ def window_attention_scores(
         # fp32 accumulator; the flag does not apply).
         GQA_MAX=(gqa == "max"), UPCAST=TRITON_INTERPRETED,
         PRECISION=precision if keys.dtype == torch.float32 else "tf32",
-        BLOCK_W=BLOCK_W, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+        BLOCK_W=BLOCK_W, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_stages=2,
     )
     strides = (*queries.stride(), *keys.stride(), *key_pos.stride(), *ko8.stride(),
                query_pos.stride(0), *qw.stride())
     grid = (B * H, NT)
-    with _device_ctx(keys):
-        _window_kernel[grid](
-            queries, keys, key_pos, ko8, query_pos, qw, m_part, l_part, out,
-            H, G, W, T, D, NT, float(scale), *strides, SECOND_PASS=False, **common,
-        )
-        mx = m_part.amax(-1)  # [BH, GS, W]
-        mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-        tot = (l_part * torch.exp(m_part - mx.unsqueeze(-1))).sum(-1)
-        inv = torch.where(tot > 0, 1.0 / tot, torch.zeros_like(tot))
-        _window_kernel[grid](
-            queries, keys, key_pos, ko8, query_pos, qw, mx.contiguous(), inv.contiguous(), out,
-            H, G, W, T, D, NT, float(scale), *strides, SECOND_PASS=True, **common,
-        )
+    launch(
+        _window_kernel, grid,
+        queries, keys, key_pos, ko8, query_pos, qw, m_part, l_part, out,
+        H, G, W, T, D, NT, float(scale), *strides, SECOND_PASS=False, **common,
+    )
+    mx = m_part.amax(-1)  # [BH, GS, W]
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    tot = (l_part * torch.exp(m_part - mx.unsqueeze(-1))).sum(-1)
+    inv = torch.where(tot > 0, 1.0 / tot, torch.zeros_like(tot))
+    launch(
+        _window_kernel, grid,
+        queries, keys, key_pos, ko8, query_pos, qw, mx.contiguous(), inv.contiguous(), out,
+        H, G, W, T, D, NT, float(scale), *strides, SECOND_PASS=True, **common,
+    )
     return ref.pool_scores(out, key_ok, pool, kernel)

@@ -105,12 +105,20 @@ class KVStore(Protocol):
         """Set the padding flags of the newest Q tokens of every head of each row (called only for new tokens
         that include padding: the store counts as padded from then on)."""
 
-    def compact(self, kept: Int[Tensor, "B H K"]) -> None:
-        """Keep the view slots `kept` (ascending, -1 padded) of every (row, head); free the rest."""
+    def kept_counts(self, kept: Int[Tensor, "B H K"]) -> Int[Tensor, "B H"]:
+        """How many tokens each (row, head) holds after `compact(kept)`, on the device (an event reads them
+        with its other host values and hands them to `compact`)."""
+
+    def compact(self, kept: Int[Tensor, "B H K"], counts: np.ndarray | None = None) -> None:
+        """Keep the view slots `kept` (ascending, -1 padded) of every (row, head); free the rest. `counts`:
+        `kept_counts(kept)` on the host when the caller has them (else the store reads them: a host sync)."""
 
     def assign(self, view: StoreView, channels: Float[Tensor, "B H T C"] | None,
-               lengths: Int[Tensor, "B H"]) -> None:
-        """Replace the content by the first `lengths[b, h]` slots of a padded view."""
+               lengths: Int[Tensor, "B H"], host_lengths: np.ndarray | None = None,
+               padded: bool | None = None) -> None:
+        """Replace the content by the first `lengths[b, h]` slots of a padded view. `host_lengths`: the same
+        on the host; `padded`: whether some of those slots are padding, when the caller knows (else the store
+        reads it: a host sync)."""
 
     def fit(self, room: int) -> None:
         """Free memory after a compression event, keeping room for `room` more tokens per (row, head) (what

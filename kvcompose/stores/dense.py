@@ -210,9 +210,13 @@ class DenseStore:
         self._padding = True
         self._view = None
 
-    def compact(self, kept: Int[Tensor, "B H K"]) -> None:
+    def kept_counts(self, kept: Int[Tensor, "B H K"]) -> Int[Tensor, "B H"]:
+        return (kept >= 0).sum(-1)
+
+    def compact(self, kept: Int[Tensor, "B H K"], counts: np.ndarray | None = None) -> None:
         k = kept.shape[-1]
-        if k and bool((kept < 0).any()):
+        ragged = (counts != k).any() if counts is not None else bool((kept < 0).any())
+        if k and ragged:
             raise KVComposeError(
                 "dense storage holds one length per layer, but the selection gave heads different budgets: use "
                 "an allocator with uniform = False (per-head budgets live in paged storage)"
@@ -223,8 +227,9 @@ class DenseStore:
             self._n = self._m = 0
             self._padding, self._view = False, None
             return
+        # the selection's indices are in range and ascending: no index check (it would wait for the device)
         _compact_kernel(self._k[:, :, :n], self._v[:, :, :n], kept, out_keys=self._k[:, :, :k],
-                        out_values=self._v[:, :, :k])
+                        out_values=self._v[:, :, :k], check_indices=False)
         self._pos[:, :, :k] = self._pos[:, :, :n].gather(-1, kept)
         self._valid[:, :, :k] = self._valid[:, :, :n].gather(-1, kept)
         if self.channels:
@@ -234,9 +239,14 @@ class DenseStore:
         self._view = None
 
     def assign(self, view: StoreView, channels: Float[Tensor, "B H T C"] | None,
-               lengths: Int[Tensor, "B H"]) -> None:
-        k = int(lengths.max()) if lengths.numel() else 0
-        if lengths.numel() and int(lengths.min()) != k:
+               lengths: Int[Tensor, "B H"], host_lengths: np.ndarray | None = None,
+               padded: bool | None = None) -> None:
+        if host_lengths is not None:
+            k, least = (int(host_lengths.max()), int(host_lengths.min())) if host_lengths.size else (0, 0)
+        else:
+            k = int(lengths.max()) if lengths.numel() else 0
+            least = int(lengths.min()) if lengths.numel() else 0
+        if lengths.numel() and least != k:
             raise KVComposeError(
                 "dense storage holds one length per layer, but the selection gave heads different budgets: use "
                 "an allocator with uniform = False (per-head budgets live in paged storage)"
@@ -251,7 +261,7 @@ class DenseStore:
         if self.channels and channels is not None:
             self._ch[:, :, :k] = channels[:, :, :k]
         self._n = self._m = k
-        self._padding = not bool(self._valid[:, :, :k].all())
+        self._padding = (not bool(self._valid[:, :, :k].all())) if padded is None else padded
         self._view = None
 
     def crop(self, n: int) -> None:

@@ -26,9 +26,10 @@ PagePool (kvcompose.stores.pool)             PagedStore
   it is free) to the pages the heads hold plus room for what the layer appends until its next event, so a
   layer at its steady state reallocates its pool neither between events nor at them; `trim()` frees every
   spare page.
-- Attention (`attend`): on CUDA the Triton paged decode kernel reads the pages directly
-  (`kvcompose.kernels.paged_decode_attention`: no padded copy); elsewhere the pages are gathered into a
-  transient padded view for masked SDPA (the PyTorch reference). The store never keeps a padded view.
+- Attention (`attend`): on CUDA a decode step runs the Triton paged decode kernel over the pages directly
+  (`kvcompose.kernels.paged_decode_attention`: no padded copy); a prefill (more than `KERNEL_MAX_QUERIES` new
+  queries) and every call elsewhere gather the pages into a transient padded view for masked SDPA (the
+  PyTorch reference). The store never keeps a padded view.
 """
 
 from __future__ import annotations
@@ -46,7 +47,11 @@ from ..view import KVComposeError
 from .base import FAR_POSITION, StoreView
 from .pool import POOL_GROWTH, POOL_SLACK, PagePool
 
-__all__ = ["PagePool", "PagedStore", "POOL_SLACK", "POOL_GROWTH"]
+__all__ = ["PagePool", "PagedStore", "POOL_SLACK", "POOL_GROWTH", "KERNEL_MAX_QUERIES"]
+
+#: New queries up to which `PagedStore.attend` runs the paged decode kernel on CUDA (decode steps, short
+#: continuations); a prefill takes the padded view and SDPA.
+KERNEL_MAX_QUERIES = 4
 
 
 class PagedStore:
@@ -227,10 +232,10 @@ class PagedStore:
             self._table = moved
             self._upload_table()
 
-    def _set_lengths(self, lengths: Int[Tensor, "B H"]) -> None:
-        """New lengths from a device tensor (a compression event: one host sync)."""
+    def _set_lengths(self, lengths: Int[Tensor, "B H"], host: np.ndarray | None = None) -> None:
+        """New lengths from a device tensor and its host copy (without one: a host sync)."""
         self._lengths = lengths
-        self._lens = lengths.cpu().numpy().astype(np.int64)
+        self._lens = lengths.cpu().numpy().astype(np.int64) if host is None else np.asarray(host, dtype=np.int64)
 
     # -- reading --------------------------------------------------------------------------------------
     def _held_slots(self) -> tuple[Int[Tensor, "B H T"], Bool[Tensor, "B H T"], Int[Tensor, " T"]]:
@@ -284,9 +289,12 @@ class PagedStore:
 
     def attend(self, query: Float[Tensor, "B Hq Q D"], seen: int, scale: float, sliding_window: int | None = None,
                softcap: float | None = None, sinks: Float[Tensor, " Hq"] | None = None) -> Float[Tensor, "B Q Hq Dv"]:
-        """On CUDA the paged decode kernel reads the pages directly (no padded copy); elsewhere, or with
-        soft-capping or sinks, masked SDPA over a transient padded view (the PyTorch reference)."""
-        if softcap is None and sinks is None and select_backend(query, self.pool.keys) == "triton":
+        """On CUDA a decode step (at most `KERNEL_MAX_QUERIES` new queries) runs the paged decode kernel over the
+        pages directly (no padded copy); a prefill, or soft-capping or sinks, or a CPU, runs masked SDPA over a
+        transient padded view (the PyTorch reference): the decode kernel's tiles are sized for a few query rows
+        (many queries would stream every page once per 16 rows)."""
+        if (softcap is None and sinks is None and query.shape[2] <= KERNEL_MAX_QUERIES
+                and select_backend(query, self.pool.keys) == "triton"):
             q = query.shape[2]
             qpos = torch.arange(seen - q, seen, device=self.device)
             p = self.pool
@@ -344,29 +352,45 @@ class PagedStore:
         self._write(idx, {"valid": valid[:, None, :].expand(b, self.heads, q)}, all_inside=True)
         self._padding = True
 
-    def compact(self, kept: Int[Tensor, "B H K"]) -> None:
+    def kept_counts(self, kept: Int[Tensor, "B H K"]) -> Int[Tensor, "B H"]:
+        return ((kept >= 0) & (kept < self._lengths[..., None])).sum(-1)
+
+    def compact(self, kept: Int[Tensor, "B H K"], counts: np.ndarray | None = None) -> None:
         """Keep, per (row, head), the logical indices `kept` (ascending; -1 and indices past the head's
-        length are ignored); they move to the front of the head's pages; freed pages return to the pool."""
+        length are ignored); they move to the front of the head's pages; freed pages return to the pool.
+        `counts`: `kept_counts(kept)` on the host (else read here: one host sync)."""
         ok = (kept >= 0) & (kept < self._lengths[..., None])
         new_len = ok.sum(-1)
         dst_logical = ok.long().cumsum(-1) - 1
         src, _ = self.slots(torch.where(ok, kept, torch.zeros_like(kept)))
         old = self._lengths
         dst, _ = self.slots(torch.where(ok, dst_logical, torch.zeros_like(kept)))
-        s, d = src[ok], dst[ok]
-        for t in self.pool.tensors().values():
-            flat = self._flat(t)
-            flat[d] = flat[s]  # the right-hand side is a gathered copy: overlapping moves are safe
-        self._set_lengths(torch.minimum(new_len, old))
+        host = new_len.cpu().numpy().astype(np.int64) if counts is None else np.asarray(counts, dtype=np.int64)
+        host = np.minimum(host, self._lens)
+        if host.sum() > 0:
+            # no boolean mask (a data-dependent shape waits for the device): the entries that move nothing
+            # repeat the move of the first kept token of a head that keeps any (its first entry: kept is
+            # ascending), so duplicates write that same value to that same slot
+            b0, h0 = np.unravel_index(int(np.argmax(host > 0)), host.shape)
+            anchor = (int(b0) * self.heads + int(h0)) * kept.shape[-1]
+            okf, s, d = ok.reshape(-1), src.reshape(-1), dst.reshape(-1)
+            s = torch.where(okf, s, s[anchor])
+            d = torch.where(okf, d, d[anchor])
+            for t in self.pool.tensors().values():
+                flat = self._flat(t)
+                flat.index_copy_(0, d, flat.index_select(0, s))  # a gathered copy: overlapping moves are safe
+        self._set_lengths(torch.minimum(new_len, old), host)
         self._release_past()
         self._padding = self._padding and not bool(self.valid_counts().eq(self._lengths).all())
 
     def assign(self, view: StoreView, channels: Float[Tensor, "B H T C"] | None,
-               lengths: Int[Tensor, "B H"]) -> None:
+               lengths: Int[Tensor, "B H"], host_lengths: np.ndarray | None = None,
+               padded: bool | None = None) -> None:
         self._lens = np.zeros_like(self._lens)
         self._lengths = torch.zeros_like(self._lengths)
         self._release_past()
-        lens = lengths.cpu().numpy().astype(np.int64)
+        lens = lengths.cpu().numpy().astype(np.int64) if host_lengths is None else \
+            np.asarray(host_lengths, dtype=np.int64).copy()
         self._take_pages(lens)
         self._lens, self._lengths = lens, lengths.clone()
         self._sync_room()
@@ -376,8 +400,11 @@ class PagedStore:
         if self.channels and channels is not None:
             data["channels"] = channels
         self._write(idx, data, all_inside=lens.size > 0 and int(lens.min()) >= t)
-        self._padding = True
-        self._padding = not bool(self.valid_counts().eq(self._lengths).all())
+        if padded is None:
+            self._padding = True
+            self._padding = not bool(self.valid_counts().eq(self._lengths).all())
+        else:
+            self._padding = padded
 
     def fit(self, room: int) -> None:
         """Size the pool after a compression event: the pages its heads hold plus room for `room` more tokens

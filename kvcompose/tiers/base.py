@@ -46,6 +46,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ..block import Block
+from ..hostsync import read_later
 from ..view import FAR_POSITION, KVComposeError, LayerSpec
 
 __all__ = ["TierStore", "TierTokens", "Evict", "take_tokens", "flat_index", "bump", "track", "mirror",
@@ -81,6 +82,9 @@ class TierTokens:
         positions: `[B, H, N]` original positions.
         valid: `[B, H, N]` False for padding (left padding, or slots past a head's real tokens).
         channels: `[B, H, N, C]` float32 token-aligned block state (C may be 0).
+        counts: the real tokens (positions before `FAR_POSITION`) per (row, head) on the host (int64 numpy
+            `[B, H]`), when the event that made the bundle knows them without reading the device; else None.
+        padded: whether some real token is padding (valid False), when known on the host; else None.
     """
 
     keys: Float[Tensor, "B H N D"]
@@ -88,6 +92,8 @@ class TierTokens:
     positions: Int[Tensor, "B H N"]
     valid: Bool[Tensor, "B H N"]
     channels: Float[Tensor, "B H N C"]
+    counts: Any = None
+    padded: bool | None = None
 
     @property
     def n(self) -> int:
@@ -101,10 +107,16 @@ class TierTokens:
         return TierTokens(g(self.keys), g(self.values), g(self.positions), g(self.valid), g(self.channels))
 
     def sorted(self) -> "TierTokens":
-        """The same tokens in position order (padding slots keep their positions past every real one)."""
-        if self.n < 2 or not bool((self.positions[..., 1:] < self.positions[..., :-1]).any()):
+        """The same tokens in position order (padding slots keep their positions past every real one). On
+        CPU an ordered bundle is returned as is; on a GPU the bundle is always permuted (asking whether it is
+        ordered would wait for the device; a stable sort of an ordered bundle is the identity)."""
+        if self.n < 2:
             return self
-        return self.take(self.positions.argsort(dim=-1, stable=True))
+        if not self.positions.is_cuda and not bool((self.positions[..., 1:] < self.positions[..., :-1]).any()):
+            return self
+        out = self.take(self.positions.argsort(dim=-1, stable=True))
+        out.counts, out.padded = self.counts, self.padded
+        return out
 
     def apply(self, fn: Callable[[Tensor], Tensor]) -> "TierTokens":
         """Apply a batch operation (`fn` acts on dim 0) to every tensor."""
@@ -122,13 +134,22 @@ def bump(state: dict[str, Any]) -> None:
     state["version"] = next(_versions)
 
 
-def mirror(state: dict[str, Any], positions: Int[Tensor, "B H N"], valid: Bool[Tensor, "B H N"]) -> None:
+def mirror(state: dict[str, Any], positions: Int[Tensor, "B H N"], valid: Bool[Tensor, "B H N"],
+           counts: np.ndarray | None = None, padded: bool | None = None) -> None:
     """Record on the host the real tokens per (row, head) of a store's new content (`state["counts"]`, int64
-    `[B, H]`) and whether some are padding (`state["padded"]`): one host sync, at the compression event that
-    changed the content."""
+    `[B, H]`) and whether some are padding (`state["padded"]`). Given `counts` and `padded` (the event knows
+    them: `TierTokens.counts` / `.padded`) no host sync; else they are read with the event's other host values
+    (`kvcompose.hostsync.read_later`; at once outside an event)."""
+    if counts is not None and padded is not None:
+        state["counts"], state["padded"] = np.asarray(counts, dtype=np.int64), bool(padded)
+        return
     real = positions < FAR_POSITION
-    state["counts"] = real.sum(-1).cpu().numpy().astype(np.int64)
-    state["padded"] = bool((real & ~valid).any())
+
+    def fill(got: list[np.ndarray]) -> None:
+        state["counts"] = got[0].astype(np.int64)
+        state["padded"] = bool(got[1].any())
+
+    read_later([real.sum(-1), (real & ~valid).any()], fill)
 
 
 def map_host_rows(counts: np.ndarray | None, fn: Callable[[Tensor], Tensor]) -> np.ndarray | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -157,7 +158,10 @@ class CompressedTier(TierStore):
             parts, slot_pos, alive = old, sp, hit
         newcomer = ~covered[..., :n]
         c = newcomer.sum(-1)
-        m = int(c.max()) if n else 0
+        # one host read for both widths below: the newcomers per head and the old groups still alive
+        old_live = alive.view(b, h, -1, G).any(-1).sum(-1) if alive is not None else torch.zeros_like(c)
+        hc, hl = torch.stack([c, old_live]).cpu().numpy() if n else (np.zeros((b, h), np.int64),) * 2
+        m = int(hc.max()) if n else 0
         if m:
             m_pad = -(-m // G) * G
             first = torch.where(newcomer, ar(n), n + ar(n)).argsort(dim=-1)[..., :m]  # newcomers first, in order
@@ -175,13 +179,13 @@ class CompressedTier(TierStore):
             for k in ("q", "stash", "slot_pos", "alive", "order"):
                 state.pop(k, None)
             state.update(n=0, positions=tokens.positions, valid=tokens.valid, channels=tokens.channels)
-            mirror(state, tokens.positions, tokens.valid)
+            mirror(state, tokens.positions, tokens.valid, tokens.counts, tokens.padded)
             bump(state)
             return state
         # drop groups with no live slot (per row and head: an exact gather of whole groups)
         s = alive.shape[-1]
         live_g = alive.view(b, h, s // G, G).any(-1)
-        n_live = int(live_g.sum(-1).max())
+        n_live = int((hl + -(-hc // G)).max())  # the old live groups and the newcomers' (read above)
         if n_live < s // G:
             gidx = torch.sort((~live_g).to(torch.int8), dim=-1, stable=True).indices[..., :n_live].sort(-1).values
             sidx = (gidx[..., None] * G + ar(G)).reshape(b, h, n_live * G)
@@ -201,7 +205,7 @@ class CompressedTier(TierStore):
         state["slot_pos"], state["alive"] = slot_pos, alive
         state["order"] = self._order(tokens.positions, slot_pos, alive)
         state.update(n=n, positions=tokens.positions, valid=tokens.valid, channels=tokens.channels)
-        mirror(state, tokens.positions, tokens.valid)
+        mirror(state, tokens.positions, tokens.valid, tokens.counts, tokens.padded)
         if self.location == "host" and dev.type == "cuda":
             stash = state.get("stash")
             if stash is None or stash.device != dev:

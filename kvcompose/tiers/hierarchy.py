@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from jaxtyping import Int
 from torch import Tensor
 
 from ..block import require_role
+from ..hostsync import host_of
 from ..view import FAR_POSITION, KVComposeError
 from .base import TierStore, TierTokens, bump, track
 from .compressed import CompressedTier
@@ -29,20 +31,28 @@ def check_ratio(x: Any, name: str) -> float:
     return float(x)
 
 
-def _slice(tokens: TierTokens, start: Int[Tensor, "B H"], count: Int[Tensor, "B H"]) -> TierTokens:
+def _slice(tokens: TierTokens, start: Int[Tensor, "B H"], count: Int[Tensor, "B H"],
+           host_count: np.ndarray | None = None) -> TierTokens:
     """Per (row, head), the `count` tokens from slot `start` on; heads with fewer are padded (valid False,
-    positions past every real one)."""
+    positions past every real one). `host_count`: `count` on the host (then no host sync); the slice's
+    tokens are real, so it becomes the slice's `counts`."""
     b, h, n = tokens.positions.shape
-    m = int(count.max()) if count.numel() and n else 0
+    if host_count is not None:
+        m = int(host_count.max()) if host_count.size and n else 0
+    else:
+        m = int(count.max()) if count.numel() and n else 0
     j = torch.arange(m, device=start.device)
     idx = (start[..., None] + j).clamp(max=max(n - 1, 0))
     out = tokens.take(idx)
     inside = j < count[..., None]
-    if bool(inside.all()):
-        return out
-    pad_pos = torch.full_like(out.positions, FAR_POSITION) + j
-    return TierTokens(out.keys, out.values, torch.where(inside, out.positions, pad_pos), out.valid & inside,
-                      out.channels)
+    full = bool((host_count == m).all()) if host_count is not None else bool(inside.all())
+    if not full:
+        pad_pos = torch.full_like(out.positions, FAR_POSITION) + j
+        out = TierTokens(out.keys, out.values, torch.where(inside, out.positions, pad_pos), out.valid & inside,
+                         out.channels)
+    if host_count is not None:
+        out.counts, out.padded = host_count.astype(np.int64), tokens.padded
+    return out
 
 
 class Hierarchy(TierStore):
@@ -100,10 +110,27 @@ class Hierarchy(TierStore):
         state = dict(state)
         real = (tokens.positions < FAR_POSITION).sum(-1)
         n_host, n_comp = self.split(kept + real, kept, seen, protected)
+        hh = hc = None
+        hk, hp = host_of(kept), host_of(protected)
+        bound = getattr(protected, "max_host", None) if hp is None else None
+        if tokens.counts is not None and hk is not None and (protected is None or hp is not None or bound is not None):
+            # the same split on the host, from the event's host copies (no host sync); with only a bound on
+            # the protected counts, when the split is the same for none and for the bound
+            cpu = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64))  # noqa: E731
+            cand, k = cpu(hk) + cpu(tokens.counts), cpu(hk)
+            if protected is None or hp is not None:
+                a, c = self.split(cand, k, seen, None if protected is None else cpu(hp))
+            else:
+                a, c = self.split(cand, k, seen, torch.zeros_like(k))
+                a2, c2 = self.split(cand, k, seen, torch.full_like(k, bound))
+                if not (torch.equal(a, a2) and torch.equal(c, c2)):
+                    a = c = None
+            if a is not None:
+                hh, hc = a.numpy(), c.numpy()
         zero = torch.zeros_like(n_host)
-        state["host"] = self.host.store(state.get("host", {}), _slice(tokens, zero, n_host), seen, kept)
-        state["compressed"] = self.compressed.store(state.get("compressed", {}), _slice(tokens, n_host, n_comp),
-                                                    seen, kept)
+        state["host"] = self.host.store(state.get("host", {}), _slice(tokens, zero, n_host, hh), seen, kept)
+        state["compressed"] = self.compressed.store(state.get("compressed", {}),
+                                                    _slice(tokens, n_host, n_comp, hc), seen, kept)
         bump(state)
         sizes = self.nbytes(state)
         track(state, sizes)

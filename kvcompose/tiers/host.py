@@ -57,7 +57,7 @@ class HostTier(TierStore):
         stash.put({"keys": tokens.keys.contiguous(), "values": tokens.values.contiguous()})
         state.update(stash=stash, positions=tokens.positions, valid=tokens.valid, channels=tokens.channels,
                      n=tokens.n)
-        mirror(state, tokens.positions, tokens.valid)
+        mirror(state, tokens.positions, tokens.valid, tokens.counts, tokens.padded)
         bump(state)
         track(state, {"host": stash.nbytes()})
         return state

@@ -135,3 +135,30 @@ def test_out_of_range_idx_rejected():
     for bad in (5, -1):
         with pytest.raises(ValueError, match="0 <= idx < T=5"):
             K.compact(keys, values, torch.tensor([[[0, bad]]], device=DEVICE))
+
+
+@pytest.mark.parametrize("path", ["triton", "reference"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_non_contiguous_index(path, inplace):
+    """An index whose last dimension is strided (a view of a wider [B, H, K, 2] tensor, and a transposed
+    [B, K, H] one) gathers the rows it names: the kernel reads the index through all its strides (it once
+    read `idx[b, h] + k` whatever the stride of k)."""
+    if path == "triton" and not TRITON_OK:
+        pytest.skip("no Triton path")
+    g = gen(7)
+    B, H, T, D, Kk = 2, 3, 50, 24, 17
+    for make in ("every_other", "transposed"):
+        keys, values = randn(g, B, H, T, D), randn(g, B, H, T, D, dtype=torch.bfloat16)
+        want = _sorted_idx(g, B, H, T, Kk)
+        if make == "every_other":  # [B, H, K] with stride 2 along K: the odd columns are garbage
+            wide = torch.full((B, H, Kk, 2), T + 5, dtype=torch.long, device=DEVICE)
+            wide[..., 0] = want
+            idx = wide[..., 0]
+        else:  # [B, H, K] over a [B, K, H] buffer
+            idx = want.transpose(1, 2).contiguous().transpose(1, 2)
+        assert idx.stride(-1) != 1 and torch.equal(idx, want)
+        nk, nv = naive_compact(keys, values, want)
+        out = dict(out_keys=keys[:, :, :Kk], out_values=values[:, :, :Kk]) if inplace else {}
+        with K.use_triton(path == "triton"):
+            rk, rv = K.compact(keys, values, idx, **out)
+        assert torch.equal(rk.cpu(), nk) and torch.equal(rv.cpu(), nv), make

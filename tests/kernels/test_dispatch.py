@@ -93,3 +93,32 @@ def test_use_triton_on_cpu_without_interpreter_is_a_clear_error():
     r = _run(code, {})
     assert r.returncode == 0, r.stderr
     assert "ERR" in r.stdout and "TRITON_INTERPRET=1" in r.stdout
+
+
+def test_intercept_launches_records_instead_of_launching():
+    """Every wrapper launches through `dispatch.launch`: an interceptor sees the kernel, grid, arguments and
+    constexprs the wrapper picked (nothing runs) and answers the SM count; the switch is restored on exit."""
+    import kvcompose.kernels as K
+
+    seen = []
+    keys = torch.randn(1, 2, 40, 16)
+    values = torch.randn(1, 2, 40, 16)
+    idx = torch.arange(0, 40, 2).expand(1, 2, 20).contiguous()
+    with dispatch.intercept_launches(lambda k, grid, args, kwargs: seen.append((k, grid, kwargs)), sms=7) as ic:
+        assert dispatch.multiprocessor_count(torch.device("cuda")) == 7 and ic.sms == 7
+        assert dispatch.backend_for_device(torch.device("cuda")) == "triton"
+        if dispatch.HAS_TRITON:
+            with K.use_triton(True) if dispatch.TRITON_INTERPRETED else dispatch.force_reference(False):
+                K.compact(keys, values, idx, check_indices=False)
+    assert dispatch._STATE["intercept"] is None
+    if dispatch.HAS_TRITON and dispatch.TRITON_INTERPRETED:
+        (kernel, grid, kwargs), = seen
+        assert getattr(kernel, "__name__", None) or kernel.fn.__name__  # the @triton.jit function itself
+        assert grid[0] == 2 and kwargs["SEQUENTIAL"] is False and kwargs["BLOCK_K"] == 64
+
+
+def test_intercept_launches_refuses_bad_arguments(unchecked):
+    with pytest.raises(ValueError, match="hook"):
+        dispatch.intercept_launches(None)
+    with pytest.raises(ValueError, match="sms"):
+        dispatch.intercept_launches(lambda *a: None, sms=0)
