@@ -29,7 +29,8 @@ Our design (everything below is ours, the abstract gives no mechanism), on kvcom
   forward on it (a forward pre-hook on the model, or at the first layer's `update`), tier-held tokens are
   copied back and merged by position (bit-exact), then each node that lost tokens is recomputed from its
   recorded token ids, position ids and padding over its restored ancestors (one prefill of the node's
-  tail). With `rehydrate="resume"`, the branch resumes from what its nodes still hold (approximate, no
+  tail; of the whole node when the pipeline's `Merger` folded evicted values into the tokens it kept, since
+  those no longer hold what the model wrote). With `rehydrate="resume"`, the branch resumes from what its nodes still hold (approximate, no
   recomputation: tier tokens are still attended where the tier holds them).
 
 Shapes: B batch rows (all rows share one tree), H KV heads, Hq query heads, n tokens of a node, D head dim.

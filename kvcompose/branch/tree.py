@@ -39,6 +39,7 @@ class _Node:
         self.sealed = False
         self.segs = [Segment(self.start) for _ in range(num_layers)]
         self.compressed = False
+        self.merged = False  # a Merger rewrote held values when it compressed this node: recompute it whole
         self.last_used = 0
         if parent is not None:
             parent.children.add(self)
