@@ -172,8 +172,17 @@ class Pipeline:
 
     @property
     def draws_random(self) -> bool:
-        """True when some block draws from the layer's seeded generator (the cache's `seed` then matters)."""
-        return any(b.draws_random for b in (*self.leaves, *self.parts, self.tier))
+        """True when some block draws from the layer's seeded generator at an event (the cache's `seed` then
+        matters). A merger runs on the tokens that leave for good, so it draws only with a tier that evicts."""
+        merging = self.merger is not None and self.tier.evicts
+        skip = set() if merging or self.merger is None else {id(self.merger), *map(id, self._leaves_of(self._merger_index))}
+        return any(b.draws_random for b in (*self.leaves, *self.parts, self.tier) if id(b) not in skip)
+
+    def _leaves_of(self, idx: Any) -> list[Block]:
+        """The leaves of a part, from its index tree."""
+        if isinstance(idx, int):
+            return [self.leaves[idx]]
+        return [leaf for i in idx for leaf in self._leaves_of(i)]
 
     @property
     def query_window(self) -> int:

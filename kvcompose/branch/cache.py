@@ -57,7 +57,7 @@ from ..prefetch import Prefetcher
 from ..scorers import AccumulatedAttention, Scorer
 from ..seeding import check_seed
 from ..selectors import TopK
-from ..tiers import HostTier, TierStore
+from ..tiers import Evict, HostTier, TierStore
 from ..view import KVComposeError, warn_unused
 from .budget import BudgetMixin
 from .forward import ForwardHooks, ForwardMixin
@@ -75,7 +75,9 @@ def _check_unused(pipeline: Pipeline, attention, interval, active_budget, host_l
                     "on a schedule (inactive nodes are compressed when the tree exceeds budget)", stacklevel=4)
     if host_limit is not None and not tier.holds_tokens:
         warn_unused(f"BranchCache(host_limit={host_limit})", f"the tier {tier!r} holds no tokens", stacklevel=4)
-    if seed and not pipeline.draws_random:
+    # a node that would exceed host_limit is evicted instead (its merger, if any, then draws)
+    draws = pipeline.draws_random or (host_limit is not None and pipeline.replace(Evict(), name=pipeline.name).draws_random)
+    if seed and not draws:
         warn_unused(f"BranchCache(seed={seed})", f"no block of {pipeline!r} draws random numbers", stacklevel=4)
 
 

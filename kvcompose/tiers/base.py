@@ -149,11 +149,18 @@ def track(state: dict[str, Any], sizes: dict[str, int]) -> None:
 class TierStore(Block):
     """Base class for where non-kept tokens go (a tier of the memory hierarchy of "Not All Thoughts Need
     HBM"). See the module docstring for the contract. Class attributes: `holds_tokens` (the store keeps
-    tokens that attention must see), `tier_names` (names reported by `nbytes`).
+    tokens that attention must see), `tier_names` (names reported by `nbytes`); property `evicts` (some
+    candidate the selector does not keep may leave for good, which is what a `Merger` folds).
     """
 
     holds_tokens: bool = False
     tier_names: tuple[str, ...] = ()
+
+    @property
+    def evicts(self) -> bool:
+        """True when a non-kept token may leave for good (a store that holds tokens and keeps every one it is
+        given says False)."""
+        return not self.holds_tokens
 
     def init(self, spec: LayerSpec) -> dict[str, Any]:
         return {}

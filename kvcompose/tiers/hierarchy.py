@@ -81,6 +81,10 @@ class Hierarchy(TierStore):
         self.host = host if host is not None else HostTier()
         self.compressed = compressed if compressed is not None else CompressedTier(bits=8)
 
+    @property
+    def evicts(self) -> bool:  # type: ignore[override]
+        return self.evict_ratio > 0
+
     def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int,
                  protected: Int[Tensor, "B H"] | None = None) -> Int[Tensor, "B H"]:
         keep_total = seen - floor_share(self.evict_ratio, seen)
