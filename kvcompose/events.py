@@ -88,7 +88,7 @@ def run_event(layer: Any, seg: Segment, rows: Tensor | None, budget: int | None,
     n_kept = (kept >= 0).sum(-1)
     if pipe.tier.holds_tokens:
         seg.tier = pipe.tier.store(seg.tier, leaving(view, channels, sel.order, n_kept, rows),
-                                   seg.start + seg.n, n_kept, sel.protected)
+                                   view.row_seen[:, None], n_kept, sel.protected)
     if merged is not None or sel.values is not None:  # tier tokens merged in, or a Merger gave new values
         safe = kept.clamp(min=0)
         g = lambda x: take_tokens(x, safe)  # noqa: E731

@@ -30,7 +30,7 @@ from .protectors import Protector, ProtectPrompt
 from .scorers import Scorer
 from .selectors import Selector
 from .tiers import Evict, TierStore
-from .view import FAR_POSITION, AttentionStep, KVComposeError, LayerSpec, LayerView, warn_unused
+from .view import AttentionStep, KVComposeError, LayerSpec, LayerView, warn_unused
 
 __all__ = ["Pipeline", "Selection"]
 
@@ -184,6 +184,21 @@ class Pipeline:
             return [self.leaves[idx]]
         return [leaf for i in idx for leaf in self._leaves_of(i)]
 
+    def padded_rows_note(self) -> str | None:
+        """Why a left-padded row of a batch may keep other tokens than the same row alone with this pipeline (None:
+        it keeps the same): its blocks' `padded_rows` notes, and random draws (they follow the batch's shape)."""
+        if not self.compresses:
+            return None
+        notes = []
+        for b in (*self.parts, *self.leaves, self.tier):
+            note = b.padded_rows
+            if note and note not in notes:
+                notes.append(note)
+        if self.draws_random:
+            notes.append("its random draws follow the batch's shape, so a row of a batch draws other numbers than "
+                         "the row alone")
+        return "; ".join(notes) or None
+
     @property
     def query_window(self) -> int:
         """How many recent queries per layer the blocks need (the layer's ring-buffer size)."""
@@ -242,6 +257,29 @@ class Pipeline:
                  pick(Allocator, self.allocator), pick(TierStore, self.tier), pick(Merger, self.merger)]
         return Pipeline(*[p for p in parts if p is not None], name=name,
                         interval=self.interval if interval is None else interval)
+
+    def blocks(self) -> list[Block]:
+        """Every block of the pipeline, once: its parts, their children and the blocks they hold as attributes
+        (e.g. `Compactor`'s leverage part), and the tier."""
+        out: list[Block] = []
+        todo: list[Any] = [*self.parts, self.tier]
+        while todo:
+            b = todo.pop(0)
+            if not isinstance(b, Block) or any(b is o for o in out):
+                continue
+            out.append(b)
+            todo += list(b.children())
+            for v in vars(b).values():
+                todo += [v] if isinstance(v, Block) else [x for x in v if isinstance(x, Block)] if isinstance(
+                    v, (tuple, list)) else []
+        return out
+
+    def bind_model(self, model: Any) -> None:
+        """Give every block the model a cache decodes with (`Block.bind_model`): blocks that read the model's
+        weights take them, and a block made for another model (a profile calibrated on it, its weights) refuses it
+        with a `KVComposeError`."""
+        for b in self.blocks():
+            b.bind_model(model)
 
     # -- state ------------------------------------------------------------------------------------
     def init(self, spec: LayerSpec) -> tuple:
@@ -320,7 +358,7 @@ class Pipeline:
             protected |= p(view, bmin)
         retain = None
         if self.tier.holds_tokens:
-            retain = partial(self.tier.retained, (view.positions < FAR_POSITION).sum(-1), per_head, view.seen)
+            retain = partial(self.tier.retained, view.valid.sum(-1), per_head, view.row_seen[:, None])
         limit = per_head if retain is None else per_head + retain(protected.sum(-1))
         room = int(limit.min()) - sum(p.max_count(bmin) for p in fixed)
         for p in self.protectors:
@@ -336,7 +374,7 @@ class Pipeline:
                 f"(layer {view.layer_idx}): raise the budget or protect fewer tokens"
             )
         kept, order = self.selector(scores, protected, view.valid, per_head, view.generator,
-                                    need_order=self.tier.holds_tokens or self.merger is not None, positions=view.positions)
+                                    need_order=self.tier.holds_tokens or self.merger is not None, positions=view.row_positions)
         values = None
         if self.merger is not None:
             values = self._merge(view, kept, order, n_prot, states, channels, out_states)
@@ -351,7 +389,7 @@ class Pipeline:
         n_kept = (kept >= 0).sum(-1)
         stay = n_kept
         if self.tier.holds_tokens:
-            stay = n_kept + self.tier.retained((view.positions < FAR_POSITION).sum(-1), n_kept, view.seen, n_prot)
+            stay = n_kept + self.tier.retained(view.valid.sum(-1), n_kept, view.row_seen[:, None], n_prot)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(t, device=order.device).expand_as(order))
         evicted = view.valid & (rank >= stay[..., None])
         if view.rows is not None:

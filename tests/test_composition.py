@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvcompose import (
-    AccumulatedAttention, BlockGranular, BranchCache, CompressedTier, Evict, GrowPage, HeadUtility, Hierarchy, HostTier,
+    AccumulatedAttention, BranchCache, CompressedTier, Evict, GrowPage, HeadUtility, Hierarchy, HostTier,
     KeyNorm, KeyRedundancy, KVComposeCache, LastQueryAttention, PagedStore, Pipeline, ProtectPrompt,
     ProtectRecent, ProtectSinks, Pyramid, RandomDrop, RandomScore, Recency, Sample, TopK, Uniform, ValueNorm,
     WindowedAttention, methods,
@@ -21,10 +21,9 @@ from kvcompose.blocks import (
     NonCausalAttention, OutputProjection, Rotary,
 )
 from kvcompose.testing import tiny_model
-from helpers import examples
+from helpers import examples, ratio_curves
 
 MODEL = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)
-RANDOM_BLOCKS = (RandomDrop, Sample, RandomScore, LeverageScore, Compactor, CAM)
 MERGERS = [None, None, MergeSimilar(), MergeSimilar(threshold=0.2, fraction=0.5), CAM(window=4)]  # optional part
 ROPE, PROJ = Rotary.from_model(MODEL), OutputProjection.from_model(MODEL)
 # the scorers ported from kvpress (kvcompose.blocks), at sizes this tiny model reaches
@@ -88,7 +87,7 @@ ALLOCATORS = {
     "growpage": lambda w: GrowPage(page=8, initial=0.5, window=8),
     # ported from kvpress: DuoAttention's head types (heads (0, 1) and (1, 0) stream) and LU-KV's budget curves
     "duo": lambda w: DuoHeads({"head_scores": [[0.9, 0.1], [0.2, 0.8]]}, streaming=0.5),
-    "lukv": lambda w: HeadCurves({"prune": (torch.rand(99, 2, 2, generator=torch.Generator().manual_seed(0)) * 0.8).tolist()},
+    "lukv": lambda w: HeadCurves({"prune": ratio_curves(2, 2, seed=0)},
                                  floor=12),
 }
 TIERS = {
@@ -97,10 +96,6 @@ TIERS = {
     "compressed": lambda: CompressedTier(bits=8, key_group=4, value_group=4),
     "hierarchy": lambda: Hierarchy(0.2, 0.1, compressed=CompressedTier(bits=8, key_group=4, value_group=4)),
 }
-
-
-def _deterministic(pipe: Pipeline) -> bool:
-    return not any(isinstance(b, RANDOM_BLOCKS) for b in (*pipe.leaves, pipe.selector, pipe.merger))
 
 
 def _inputs(rows: int, t: int, pad: int, seed: int):
@@ -215,19 +210,14 @@ def _product_case(pipe0, rec, sinks, alloc, tier, budget, interval, rows, pad, p
     assert torch.equal(out, out2)
     for i in range(len(cache.layers)):
         assert torch.equal(cache.kept_positions(i), cache2.kept_positions(i))
-    # a padded row equals that row alone (deterministic blocks; GrowPage's pool is shared by the batch, and the
-    # hierarchy's shares are of all tokens seen, padding included): the row alone, teacher-forced on the
-    # batch's tokens, gives the same logits at every step (the padded batch attends over other shapes, so
+    # a padded row equals that row alone (every pipeline whose `padded_rows_note()` is None: not GrowPage, whose
+    # pool is shared by the batch, nor random draws, which follow the batch's shape): the row alone, teacher-forced
+    # on the batch's tokens, gives the same logits at every step (the padded batch attends over other shapes, so
     # equal up to float rounding; the compressed tier's quantization turns rounding into whole steps, so it is
-    # left out here and checked bit-exactly in tests/test_tiers.py)
-    # HeadUtility ranks (head, token) utilities over the batch's padded width, so a padded row's head budgets can
-    # differ from the row alone (docs/allocation.md "What is weak"); it is left out here too
-    # block-granular selectors (ChunkKV) cut blocks at absolute positions, as a paged engine does, so left padding
-    # shifts their boundaries: left out too
-    # LU-KV's budgets are shares of the tokens seen, padding included, like the hierarchy's: left out too
-    if (rows == 2 and _deterministic(pipe) and alloc not in ("growpage", "heads", "lukv")
-            and tier not in ("hierarchy", "compressed")
-            and not isinstance(pipe.selector, BlockGranular)):
+    # left out here and checked bit-exactly in tests/test_tiers.py). HeadUtility (its top-k over the padded width
+    # now breaks ties as the row alone does), LU-KV (its ratio of the row's own tokens), block-granular selectors
+    # (ChunkKV: blocks from the row's first token) are in since issue 28; tests/test_block_rules.py has the rule
+    if rows == 2 and pipe.padded_rows_note() is None and tier not in ("hierarchy", "compressed"):
         alone = _teacher_forced(pipe, budget, interval, out[:1, pad:], prompt - pad, seed)
         torch.testing.assert_close(logits[:1], alone, atol=2e-3, rtol=1e-3)
 

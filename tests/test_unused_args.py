@@ -14,7 +14,7 @@ from kvcompose import (
 )
 from kvcompose.scorers import KeyNorm
 
-from helpers import tree_model
+from helpers import ratio_curves, tree_model
 
 MODEL = tree_model()
 
@@ -84,7 +84,7 @@ def test_preset_and_block_options_switched_off_warn():
 
 
 _DUO = {"head_scores": [[0.9, 0.1], [0.2, 0.8]]}
-_LUKV = {"prune": [[[0.5, 0.5], [0.5, 0.5]]] * 99}
+_LUKV = {"prune": ratio_curves(2, 2)}
 
 
 def test_ported_preset_arguments_without_effect_warn():

@@ -165,13 +165,15 @@ class TierStore(Block):
     def init(self, spec: LayerSpec) -> dict[str, Any]:
         return {}
 
-    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int,
+    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int | Int[Tensor, "B 1"],
                  protected: Int[Tensor, "B H"] | None = None) -> Int[Tensor, "B H"]:
         """How many of the `candidates - kept` non-kept candidates of each (row, head) the store keeps
-        (`protected`: protected tokens per head, which a store that keeps tokens never evicts)."""
+        (`candidates`: real tokens; `seen`: the tokens each row has seen, its left padding not counted, or one
+        count for all rows; `protected`: protected tokens per head, which a store that keeps tokens never
+        evicts)."""
         return torch.zeros_like(kept)
 
-    def store(self, state: dict[str, Any], tokens: TierTokens, seen: int, kept: Int[Tensor, "B H"],
+    def store(self, state: dict[str, Any], tokens: TierTokens, seen: int | Int[Tensor, "B 1"], kept: Int[Tensor, "B H"],
               protected: Int[Tensor, "B H"] | None = None) -> dict[str, Any]:
         """The store's new state after receiving `tokens`, the candidates not kept in HBM in priority
         order (protected ones first; `kept[b, h]` candidates stayed in HBM, `protected[b, h]` tokens were
