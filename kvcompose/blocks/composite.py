@@ -103,7 +103,8 @@ class CompositeTokens(Selector):
         structured: composite (equal per-head counts) or unstructured (per-head counts from a global top-k).
         floor: unstructured only: tokens every head keeps at least, an int (kvpress KVCompose's
             `keep_token_lower_bound`, 0; at least 1 is always kept) or a share of the head's budget (AdaKV's
-            `alpha_safeguard`, e.g. 0.2).
+            `alpha_safeguard`, e.g. 0.2). The floor counts the head's protected tokens and is capped at its
+            budget, so what the heads are forced to keep fits in the row's total `sum_h budget[b, h]`.
     """
 
     def __init__(self, structured: bool = True, floor: int | float = 0):
