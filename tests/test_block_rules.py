@@ -507,10 +507,12 @@ def test_profiles_and_model_data_of_another_model_are_refused():
                                              floor=0.5),
         "criticalkv": lambda: methods.criticalkv(MODEL),
     }
+    same_bf16 = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16, dtype=torch.bfloat16)  # MODEL's weights
     for name, make in pipes.items():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             KVComposeCache(MODEL, make(), budget=16)  # its own model
+            KVComposeCache(same_bf16, make(), budget=16)  # its own weights in another dtype
             with pytest.raises(KVComposeError, match="another model|another model's"):
                 KVComposeCache(other, make(), budget=16)
     assert "weights" in duo["fingerprint"] and "weights" in curves["fingerprint"] and "weights" in wave["fingerprint"]

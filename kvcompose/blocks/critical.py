@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..block import Block
 from ..scorers import Scorer
-from ..fingerprint import weights_digest
+from ..fingerprint import same_weights, weights_sample
 from ..kernels.ref import top_last
 from ..view import KVComposeError, LayerView
 
@@ -37,7 +37,7 @@ class OutputProjection:
 
     It holds references to the weights, never a copy of them: `copy.deepcopy`, `pickle` and `torch.save` (of it,
     of a pipeline or of a cache that holds it, or a vLLM config that pickles the pipeline) keep only its shapes and
-    a digest of the weights (`kvcompose.fingerprint.weights_digest`), and the copy takes the weights again from the
+    a small sample of the weights (`kvcompose.fingerprint.weights_sample`), and the copy takes the weights again from the
     model it is used with (`bind(model)`, which a cache calls with its model: when it is built, and by
     `cache.bind(model)`). A model whose `o_proj` weights differ from the ones it was made from (another model of the
     same shape) is refused there.
@@ -55,7 +55,7 @@ class OutputProjection:
                                  f"{weights[0].shape[1]}")
         self.heads = heads
         self.shapes = [tuple(w.shape) for w in weights]
-        self.digest = weights_digest(weights)
+        self.sample = weights_sample(weights)
         self._weights: list[Tensor] | None = [w.detach() for w in weights]
 
     @staticmethod
@@ -73,10 +73,10 @@ class OutputProjection:
                                  f"{self.heads} query heads, the model has {len(weights)} of "
                                  f"{tuple(weights[0].shape) if weights else None} and {heads}: build it from this "
                                  "model (criticalkv(model=model))")
-        if weights_digest(weights) != self.digest:
+        if not same_weights(self.sample, weights_sample(weights)):
             raise KVComposeError("OutputProjection: made from another model's o_proj weights (a model of the same "
-                                 "shape; the weights digests differ): build it from the model the cache decodes "
-                                 "with (criticalkv(model=model))")
+                                 "shape; their samples differ): build it from the model the cache decodes with "
+                                 "(criticalkv(model=model))")
         self._weights = [w.detach() for w in weights]
 
     @property
@@ -94,7 +94,7 @@ class OutputProjection:
         return self._weights
 
     def __getstate__(self) -> dict:
-        """copy.deepcopy / pickle / torch.save: the shapes and the digest, never the weights."""
+        """copy.deepcopy / pickle / torch.save: the shapes and the sample, never the weights."""
         return {**self.__dict__, "_weights": None}
 
     def head_weights(self, layer: int) -> Float[Tensor, "Hq Dv E"]:

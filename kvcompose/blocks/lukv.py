@@ -57,7 +57,7 @@ class HeadCurves(Allocator):
     `.npy` curves loaded by the caller. Checked when given: finite shares in [0, 1], each row's mean within
     `RATIO_TOLERANCE` (0.1) of its ratio (curves that ignore their ratios are refused), and, when a cache is built,
     the shape `[99, layers, KV heads]` of its model and the fingerprint a calibrated profile records (architecture
-    and weights digest: curves of another model of the same shape are refused).
+    and a sample of the weights: curves of another model of the same shape are refused).
 
     Args:
         curves: a path or dict with `prune` `[99][L][H]`, or the array itself.
