@@ -59,8 +59,8 @@ def same_weights(a: list[list[float]], b: list[list[float]]) -> bool:
     checkpoint in another float dtype matches)."""
     if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b)):
         return False
-    ta = torch.tensor([v for row in a for v in row], dtype=torch.float64)
-    tb = torch.tensor([v for row in b for v in row], dtype=torch.float64)
+    ta = torch.tensor([v for row in a for v in row], dtype=torch.float64, device="cpu")
+    tb = torch.tensor([v for row in b for v in row], dtype=torch.float64, device="cpu")
     if not ta.numel():
         return True
     scale = float(tb.abs().max())

@@ -82,7 +82,7 @@ class HeadCurves(Allocator):
         # row i is the curve of the global ratio r = (i + 1) / 100: its heads prune r of the tokens on average (the
         # global top-k that calibrates it keeps 1 - r of them); curves that ignore their ratio would keep (or drop)
         # the same tokens whatever the budget
-        ratios = torch.arange(1, 100, dtype=torch.float32) / 100
+        ratios = torch.arange(1, 100, dtype=torch.float32, device="cpu") / 100
         off = (t.mean((1, 2)) - ratios).abs()
         if bool((off > RATIO_TOLERANCE).any()):
             i = int(off.argmax())

@@ -134,7 +134,7 @@ class BudgetMixin:
         node.compressed = True
         # a merger folds the values of the tokens that leave for good into kept ones: the held prefix a
         # recomputation would start after is no longer what the model wrote (`_recompute` starts at 0 then)
-        node.merged = node.merged or pipeline.merger is not None
+        node.merged = getattr(node, "merged", False) or pipeline.merger is not None
         self.compressions += 1
         self._track()
         return freed
