@@ -634,3 +634,32 @@ def test_head_wise_budgets_keep_the_row_total(kind, rows, heads, t, budget, floo
     if kind.startswith("heads"):
         assert sel.budget.sum(-1).tolist() == [heads * budget] * rows
         assert bool((kept <= sel.budget).all())
+
+
+def test_padded_row_exceptions_are_named():
+    """A preset that may keep other tokens for a left-padded row than for the row alone says why: every block with a
+    `padded_rows` reason, and every block that draws, is listed in docs/methods.md ('Batches with left padding'),
+    and a cache warns at the first forward of a padded batch if and only if the pipeline has such a reason."""
+    from pathlib import Path
+
+    from kvcompose import KVComposeWarning
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "methods.md").read_text()
+    section = docs.split("## Batches with left padding")[1].split("\n## ")[0]
+    ids = _ids(10, rows=2)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    ids[0, :3], mask[0, :3] = 0, 0
+    for name in sorted(CASES):
+        pipe = CASES[name]()
+        if not pipe.compresses:
+            continue
+        for b in pipe.blocks():
+            if b.padded_rows or b.draws_random:
+                assert f"`{type(b).__name__}" in section, f"{type(b).__name__} of {name} is not in the docs' list"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cache = KVComposeCache(MODEL, pipe, budget=16, interval=4)
+            with torch.no_grad():
+                MODEL(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        warned = [w for w in caught if issubclass(w.category, KVComposeWarning) and "left padding" in str(w.message)]
+        assert bool(warned) == (pipe.padded_rows_note() is not None), (name, [str(w.message) for w in warned])
