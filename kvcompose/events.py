@@ -21,6 +21,7 @@ from torch import Tensor
 from .pipeline import Pipeline, Selection
 from .prefetch import Merged
 from .segment import Segment
+from .selectors import _kept_first
 from .stores import StoreView
 from .tiers import TierTokens, take_tokens
 from .view import FAR_POSITION, KVComposeError, LayerView
@@ -75,19 +76,31 @@ def run_event(layer: Any, seg: Segment, rows: Tensor | None, budget: int | None,
     layer._track_peak()  # the peak is reached just before a compaction
     view, channels, merged = layer.view(seg, rows, merged)
     sel, seg.blocks = pipe.select(view, budget, seg.blocks, channels)
-    kept = sel.kept
+    kept, order = sel.kept, sel.order
     b, h, t = view.shape
     dev = view.device
-    if rows is not None and not bool(rows.all()):
+    partial = rows is not None and not bool(rows.all())
+    if partial:
+        # a row outside the event keeps what it held: its HBM tokens stay in HBM and, when the view merged the
+        # tier's tokens in, those go back to the tier (kept as every candidate, they were all promoted to HBM: a
+        # GrowPage row with a CompressedTier then held 39 tokens against a 16-slot page ceiling)
         width = max(kept.shape[-1], t)
-        every = torch.arange(width, device=dev).expand(b, h, width)
-        every = torch.where(every < (view.positions < FAR_POSITION).sum(-1, keepdim=True), every,
-                            torch.full_like(every, -1))
+        slot = torch.arange(t, device=dev).expand(b, h, t)
+        hot = view.positions < FAR_POSITION
+        if merged is not None:
+            hot = hot & (merged.order[..., :t] < merged.held)
+        every = torch.where(hot, slot, torch.full_like(slot, t)).sort(-1).values
+        every = torch.where(every < t, every, torch.full_like(every, -1))
+        every = torch.cat([every, torch.full((b, h, width - t), -1, dtype=every.dtype, device=dev)], dim=-1)
         pad = torch.full((b, h, width - kept.shape[-1]), -1, dtype=kept.dtype, device=dev)
         kept = torch.where(rows[:, None, None], torch.cat([kept, pad], dim=-1), every)
+        if order is not None and merged is not None:
+            order = torch.where(rows[:, None, None], order, _kept_first(order, kept))
     n_kept = (kept >= 0).sum(-1)
     if pipe.tier.holds_tokens:
-        seg.tier = pipe.tier.store(seg.tier, leaving(view, channels, sel.order, n_kept, rows),
+        # with the tier's tokens merged in, a row outside the event hands its tier tokens back (rows=None)
+        seg.tier = pipe.tier.store(seg.tier, leaving(view, channels, order, n_kept,
+                                                     None if partial and merged is not None else rows),
                                    view.row_seen[:, None], n_kept, sel.protected)
     if merged is not None or sel.values is not None:  # tier tokens merged in, or a Merger gave new values
         safe = kept.clamp(min=0)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+import functools
 from functools import partial
 from typing import Any
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .allocators import Allocator, Uniform
@@ -71,6 +72,18 @@ def _check_blocks(blocks: tuple, where: str) -> None:
             what = f"{role_of(b)} {b!r}" if isinstance(b, Block) else type(b).__name__
             raise KVComposeError(f"{where}: got {what[:120]}, which is not a kvcompose block of one of the roles "
                                  "Scorer, Protector, Selector, Allocator, TierStore, Merger")
+
+
+def _by_row(view: LayerView, keys: list, make: Callable[[Any], Tensor]) -> Bool[Tensor, "B H T"]:
+    """`make(key)` for each row's key (rows of one key share one call), each row taking its own key's mask."""
+    distinct = list(dict.fromkeys(keys))
+    if len(distinct) == 1:
+        return make(distinct[0])
+    out = torch.zeros_like(view.valid)
+    for key in distinct:
+        rows = torch.tensor([k == key for k in keys], device=view.device)
+        out |= make(key) & rows[:, None, None]
+    return out
 
 
 def _flatten(block: Block, leaves: list[Block]) -> Any:
@@ -351,19 +364,21 @@ class Pipeline:
         scores = None
         if self.scorer is not None:
             scores = self.scorer(view, self._tree(self._scorer_index, states, channels))
-        protected = torch.zeros_like(view.valid)
-        bmin = int(per_head.min())
+        # protectors count with each row's smallest head budget (and room), never another row's: with per-head
+        # budgets a share such as ProtectRecent(0.5) would otherwise protect what the batch's smallest head allows
+        row_min = per_head.amin(-1).tolist()
         fixed = [p for p in self.protectors if not isinstance(p, ProtectPrompt)]
-        for p in fixed:
-            protected |= p(view, bmin)
+        protected = _by_row(view, row_min, lambda b: functools.reduce(
+            torch.logical_or, [p(view, b) for p in fixed], torch.zeros_like(view.valid)))
         retain = None
         if self.tier.holds_tokens:
             retain = partial(self.tier.retained, view.valid.sum(-1), per_head, view.row_seen[:, None])
         limit = per_head if retain is None else per_head + retain(protected.sum(-1))
-        room = int(limit.min()) - sum(p.max_count(bmin) for p in fixed)
-        for p in self.protectors:
-            if isinstance(p, ProtectPrompt):
-                protected |= p(view, bmin, room)
+        prompt = [p for p in self.protectors if isinstance(p, ProtectPrompt)]
+        if prompt:
+            rooms = [lim - sum(p.max_count(b) for p in fixed) for lim, b in zip(limit.amin(-1).tolist(), row_min)]
+            protected = protected | _by_row(view, list(zip(row_min, rooms)), lambda key: functools.reduce(
+                torch.logical_or, [p(view, key[0], key[1]) for p in prompt], torch.zeros_like(view.valid)))
         n_prot = protected.sum(-1)
         if retain is not None:
             limit = per_head + retain(n_prot)
