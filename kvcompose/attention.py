@@ -65,7 +65,7 @@ from .view import KVComposeError
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "register", "install", "release", "restore", "is_installed", "previous_implementation",
-    "hand_off", "check_consumed", "expect_mask", "hook_state", "HookState", "attend", "attention_probs",
+    "hand_off", "check_consumed", "check_open", "expect_mask", "hook_state", "HookState", "attend", "attention_probs",
     "build_mask", "kvcompose_attention", "kvcompose_mask", "is_kvcompose_cache", "SUPPORTED_FEATURES",
 ]
 
@@ -338,6 +338,24 @@ def restore(model) -> None:
                 for f in e.finalizers:
                     f.detach()
                 _previous.pop(id(c), None)
+
+
+def check_open(cache, model) -> None:
+    """Refuse to use a kvcompose cache that was closed, or whose model no longer runs kvcompose's attention,
+    before the model's attention runs: the model's own implementation would otherwise attend the new tokens
+    alone with a mask sized for the whole cache, and end in a shape error of its own (eager, flex, and sdpa for
+    a multi-token step) or, for sdpa's single-token step, run before the next update names the problem."""
+    cls = type(cache).__name__
+    if getattr(cache, "kvcompose_closed", False):
+        raise KVComposeError(f"this {cls} was closed (close() gave the model its previous attention implementation "
+                             "back): build a new cache, or call cache.bind(model) to use this one again")
+    if model is not None and not is_installed(model):
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        raise KVComposeError(
+            f"the model of this {cls} no longer uses kvcompose's attention implementation (it is now "
+            f"{text._attn_implementation!r}: changed by set_attn_implementation() or kvcompose.attention.restore() "
+            "after the cache was built): build a new cache for the model, or call cache.bind(model) to switch it "
+            "back to kvcompose's attention")
 
 
 def is_installed(model) -> bool:

@@ -87,11 +87,15 @@ class Block:
         query_window: how many recent post-RoPE queries the block reads (the layer keeps a ring buffer).
         draws_random: the block draws from the layer's seeded generator (`LayerView.generator`), so the
             cache's `seed` changes what it does (a cache warns about a seed for a pipeline without one).
+        padded_rows: why a left-padded row of a batch may keep other tokens than the same row alone with this
+            block (e.g. a budget shared by the batch's rows), or None: it keeps the same (the rule every block
+            states, checked by tests/test_block_rules.py; a cache warns the reason at a padded forward).
     """
 
     token_state: int = 0
     query_window: int = 0
     draws_random: bool = False  # True: draws from the layer's seeded generator (the cache's `seed` matters)
+    padded_rows: str | None = None  # why a left-padded row may keep other tokens than the row alone (None: same)
 
     def init(self, spec: LayerSpec) -> Any:
         """The block's layer state for a fresh layer (None: stateless, or token state only)."""
@@ -100,6 +104,14 @@ class Block:
     def children(self) -> tuple["Block", ...]:
         """Parts of a composite block (their states form this block's state, in order)."""
         return ()
+
+    def bind_model(self, model: Any) -> None:
+        """Called by a cache with the model it decodes with: when it is built, and by `bind` for a copied or
+        loaded cache (`Pipeline.bind_model` reaches every block of a pipeline). A block that reads the model's
+        weights takes references to them here (a copy of a cache never copies them: `CriticalKV`), and a block
+        made for one model (a calibrated profile, weights taken earlier) refuses another one with a
+        `KVComposeError`. Default: nothing."""
+        return None
 
     def map_rows(self, state: Any, fn: Callable[[Tensor], Tensor], batch: int) -> Any:
         """Reorder / select batch rows of this block's layer state (beam search, `batch_select_indices`)."""

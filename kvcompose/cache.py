@@ -205,6 +205,7 @@ class KVComposeCache(Cache):
             raise KVComposeError(f"prefetcher must be a kvcompose Prefetcher, got {type(prefetcher).__name__}")
         pipeline.validate(budget)
         config, self.attention = check_model(model, strict)
+        pipeline.bind_model(model)  # blocks that read the model take its weights; a profile for another model is refused
         check_unused(pipeline, self.attention, budget=budget, interval=interval_given, seed=seed,
                      compress_prefill=compress_prefill, reserve=reserve, prefetcher=prefetcher)
         self.model_type = getattr(config, "model_type", None)
@@ -230,18 +231,22 @@ class KVComposeCache(Cache):
 
     kvcompose_attention = True  # kvcompose.attention routes calls that carry this cache to its layers
     kvcompose_missed: str | None = None  # set by kvcompose.attention when an update's attention never ran
+    kvcompose_closed = False  # set by close(); cleared by bind(model)
+
+    def _check_usable(self) -> None:
+        if self._model is None:
+            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
+        _attn.check_open(self, self._model())  # closed, or the model's attention was switched: refused by name
 
     # -- transformers Cache API, never traced by torch.compile -----------------------------------
     @_no_trace
     def update(self, *args, **kwargs):
-        if self._model is None:
-            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
+        self._check_usable()
         return super().update(*args, **kwargs)
 
     @_no_trace
     def get_seq_length(self, *args, **kwargs) -> int:
-        if self._model is None:
-            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
+        self._check_usable()
         _attn.check_consumed(self)  # generate asks before every step: a layer whose attention never ran raises
         return super().get_seq_length(*args, **kwargs)
 
@@ -249,6 +254,7 @@ class KVComposeCache(Cache):
     def get_mask_sizes(self, *args, **kwargs):
         """`(held + new, seen - held)` of a layer; the mask function call that follows is this cache's
         (`kvcompose.attention.expect_mask`)."""
+        self._check_usable()  # before the model builds a mask and attends: never a shape error of its attention
         return _attn.expect_mask(self, super().get_mask_sizes(*args, **kwargs))
 
     @_no_trace
@@ -261,8 +267,10 @@ class KVComposeCache(Cache):
 
     def close(self) -> None:
         """Give the model its previous attention implementation back now (also done when the cache is
-        garbage-collected, if no other kvcompose cache uses the model)."""
+        garbage-collected, if no other kvcompose cache uses the model). The closed cache refuses to decode by
+        name (whatever the model's attention implementation) until `bind(model)` opens it again."""
         _attn.release(self)
+        self.kvcompose_closed = True
 
     # -- copying: copy.deepcopy, pickle, torch.save (kvcompose.copying) ----------------------------------
     def __copy__(self):
@@ -293,17 +301,22 @@ class KVComposeCache(Cache):
     def bind(self, model) -> "KVComposeCache":
         """Attach a cache loaded with pickle / `torch.load` to its model (the one it was built for, or one of the
         same architecture and weights: the cache holds that model's keys and values). Switches the model to
-        kvcompose's attention as the constructor does. Returns the cache."""
+        kvcompose's attention as the constructor does; also opens a closed cache again, and switches its model back
+        after `set_attn_implementation()` / `kvcompose.attention.restore()`. Returns the cache."""
         current = self.bound_model()
-        if current is model:
+        if current is model and not self.kvcompose_closed and _attn.is_installed(model):
             return self
-        if current is not None:
+        if current is not None and current is not model:
             raise KVComposeError("this cache is bound to another model; copy.deepcopy(cache) shares its model")
         config, attention = check_model(model)
         _copying.check_same_model(self, model, config)
+        self.pipeline.bind_model(model)  # a copy holds no weights: its blocks take the model's again
+        if current is model:
+            _attn.release(self)  # re-opened: one hold on the model's attention switch, not two
         _attn.install(model, owner=self)
         self.attention = attention
         self._model = weakref.ref(model)
+        self.kvcompose_closed = False
         return self
 
     # -- rolling back --------------------------------------------------------------------------------

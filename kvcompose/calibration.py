@@ -26,30 +26,16 @@ from .allocators import PROFILE_KIND, Allocator
 from .allocators.layers import shipped_profiles
 from .cache import KVComposeCache
 from .pipeline import Pipeline
+from .fingerprint import FINGERPRINT_KEYS, model_fingerprint, profile_matches
 from .view import KVComposeError
 
 __all__ = ["calibrate_reasoning_wave", "calibrate", "coverage_count", "model_id", "model_fingerprint",
-           "find_profile"]
-
-
-FINGERPRINT_KEYS = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
-                    "head_dim", "intermediate_size", "vocab_size")
+           "find_profile", "FINGERPRINT_KEYS"]
 
 
 def _text_config(model_or_config: Any) -> Any:
     config = getattr(model_or_config, "config", model_or_config)
     return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def model_fingerprint(model_or_config: Any) -> dict[str, Any]:
-    """The architecture facts a ReasoningWave profile is valid for (layers, heads, widths, vocabulary)."""
-    config = _text_config(model_or_config)
-    out = {k: getattr(config, k, None) for k in FINGERPRINT_KEYS}
-    if out["head_dim"] is None and out["hidden_size"] and out["num_attention_heads"]:
-        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
-    if out["num_key_value_heads"] is None:
-        out["num_key_value_heads"] = out["num_attention_heads"]
-    return out
 
 
 def model_id(model_or_config: Any) -> str:
@@ -78,7 +64,7 @@ def find_profile(model_or_config: Any, profiles: list[dict[str, Any]] | None = N
     hits = []
     for prof in shipped_profiles() if profiles is None else profiles:
         theirs = prof.get("fingerprint") or {}
-        if theirs and all(theirs.get(k) == fp.get(k) for k in FINGERPRINT_KEYS if theirs.get(k) is not None):
+        if theirs and profile_matches(theirs, fp):
             hits.append(prof)
     if len(hits) > 1:
         named = [p for p in hits if str(p.get("model", "")).lower().split("/")[-1] == name]
@@ -184,7 +170,7 @@ def calibrate_reasoning_wave(
         "kind": PROFILE_KIND,
         "version": 2,
         "model": model_id(model),
-        "fingerprint": model_fingerprint(model),
+        "fingerprint": model_fingerprint(model, weights=True),
         "num_layers": len(head),
         "coverage": coverage,
         "prompts": count,

@@ -318,6 +318,8 @@ def preflight(command: str, args) -> None:
         _need(_data_path(args), max(args.n_prompts, args.free_gen_prompts), args.offset, "bench fidelity")
     elif command == "calibrate":
         _need(_data_path(args), args.n, args.offset, "calibrate")
+    elif command in ("bench speed", "bench throughput"):
+        _methods_fit(args.methods, args.budget)
     elif command == "bench accuracy" and args.data is None and args.dataset is None:
         from .bench.data import DATASETS
 
@@ -325,6 +327,21 @@ def preflight(command: str, args) -> None:
         if path is None:
             raise argparse.ArgumentTypeError(
                 f"bench accuracy needs questions: --data FILE.jsonl, --dataset {{{','.join(DATASETS)}}} or $KVCOMPOSE_GSM8K")
+
+
+def _methods_fit(names: list[str] | None, budget: int) -> None:
+    """Every method of a benchmark must work at its budget (its protectors fit): a method that cannot is refused
+    before the model loads, instead of a report without it."""
+    from . import methods as _methods
+    from .bench.common import make_pipeline
+    from .view import KVComposeError
+
+    for name in names if names is not None else [m for m in _methods.PRESETS if m != "full"]:
+        pipe = make_pipeline(name, budget)
+        try:
+            pipe.validate(budget)
+        except KVComposeError as e:
+            raise argparse.ArgumentTypeError(f"--budget {budget} is too small for {name}: {e}") from None
 
 
 def fail(prog: str, message: object) -> int:

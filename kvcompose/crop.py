@@ -94,4 +94,6 @@ def apply_crop(layer: Any, n: int) -> None:
     seg.n -= n
     seg.ring.crop(end)
     layer.prompt_length = min(layer.prompt_length, end)
+    if layer.padding is not None:  # left padding comes first: a crop into it removes the newest padding
+        layer.padding = layer.padding.clamp(max=end)
     layer.config.prefetcher.clear()

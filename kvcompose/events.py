@@ -20,9 +20,9 @@ from torch import Tensor
 
 from .hostsync import event_reads, with_host
 from .pipeline import Pipeline, Selection
-from .selectors import Selector
 from .prefetch import Merged
 from .segment import Segment
+from .selectors import Selector, _kept_first
 from .stores import StoreView
 from .tiers import TierTokens, take_tokens
 from .view import FAR_POSITION, KVComposeError, LayerView
@@ -90,7 +90,7 @@ def run_event(layer: Any, seg: Segment, rows: Tensor | None, budget: int | None,
     with event_reads() as reads:
         view, channels, merged = layer.view(seg, rows, merged)
         sel, seg.blocks = pipe.select(view, budget, seg.blocks, channels)
-        kept = sel.kept
+        kept, order = sel.kept, sel.order
         b, h, t = view.shape
         dev = view.device
         rows_host = None if rows is None else getattr(rows, "host", None)
@@ -98,12 +98,21 @@ def run_event(layer: Any, seg: Segment, rows: Tensor | None, budget: int | None,
             rows_host = rows.cpu().numpy().astype(bool)  # a caller's device rows (one host sync)
         some_rows = rows_host is not None and not rows_host.all()
         if some_rows:
+            # a row outside the event keeps what it held: its HBM tokens stay in HBM and, when the view merged
+            # the tier's tokens in, those go back to the tier (kept as every candidate, they were all promoted to
+            # HBM: a GrowPage row with a CompressedTier then held 39 tokens against a 16-slot page ceiling)
             width = max(kept.shape[-1], t)
-            every = torch.arange(width, device=dev).expand(b, h, width)
-            every = torch.where(every < (view.positions < FAR_POSITION).sum(-1, keepdim=True), every,
-                                torch.full_like(every, -1))
+            slot = torch.arange(t, device=dev).expand(b, h, t)
+            hot = view.positions < FAR_POSITION
+            if merged is not None:
+                hot = hot & (merged.order[..., :t] < merged.held)
+            every = torch.where(hot, slot, torch.full_like(slot, t)).sort(-1).values
+            every = torch.where(every < t, every, torch.full_like(every, -1))
+            every = torch.cat([every, torch.full((b, h, width - t), -1, dtype=every.dtype, device=dev)], dim=-1)
             pad = torch.full((b, h, width - kept.shape[-1]), -1, dtype=kept.dtype, device=dev)
             kept = torch.where(rows[:, None, None], torch.cat([kept, pad], dim=-1), every)
+            if order is not None and merged is not None:
+                order = torch.where(rows[:, None, None], order, _kept_first(order, kept))
         n_kept = (kept >= 0).sum(-1)
         tiered = pipe.tier.holds_tokens
         assign = merged is not None or sel.values is not None  # tier tokens merged in, or new values
@@ -129,8 +138,12 @@ def run_event(layer: Any, seg: Segment, rows: Tensor | None, budget: int | None,
             if not padded:
                 tc = pipe.tier.counts(seg.tier)
                 real = seg.store.host_lengths + (0 if tc is None else tc)
-            tokens = leaving(view, channels, sel.order, n_kept, rows, host_kept, rows_host, real)
-            seg.tier = pipe.tier.store(seg.tier, tokens, seg.start + seg.n, n_kept, sel.protected)
+            # with the tier's tokens merged in, a row outside the event hands its tier tokens back (rows=None)
+            back = some_rows and merged is not None
+            tokens = leaving(view, channels, order, n_kept, None if back else rows, host_kept,
+                             None if back else rows_host, real)
+            seen = seg.start + seg.n if view.padding is None else view.row_seen[:, None]
+            seg.tier = pipe.tier.store(seg.tier, tokens, seen, n_kept, sel.protected)
         if assign:
             safe = kept.clamp(min=0)
             g = lambda x: take_tokens(x, safe)  # noqa: E731

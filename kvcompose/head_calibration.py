@@ -94,6 +94,11 @@ def calibrate_heads(model, prompts: list[Tensor] | list[list[int]], traces: list
         t0, t = ids.shape[1], full.shape[1]
         if t <= t0:
             continue
+        if kind == "duo" and t <= sinks + recent:  # no query sees a token outside its streaming window
+            raise KVComposeError(
+                f"calibrate_heads: trace {count + 1} has {t} tokens (prompt and trace), not more than the streaming "
+                f"window of {sinks} sinks + {recent} recent tokens: no query attends a token outside it, so every "
+                "head would score 0; give longer traces (--new-tokens) or a smaller --recent")
         cache = KVComposeCache(model, Pipeline(_QueryProbe(t)), budget=None, strict=False)
         model(input_ids=full, past_key_values=cache)
         per_layer = []
@@ -120,9 +125,12 @@ def calibrate_heads(model, prompts: list[Tensor] | list[list[int]], traces: list
         count += 1
     if total is None:
         raise KVComposeError("calibrate_heads: no prompt produced decoding queries")
+    if kind == "duo" and not bool((total != 0).any()):
+        raise KVComposeError(f"calibrate_heads: every head scored 0 (no decoding query put attention outside the "
+                             f"first {sinks} and the newest {recent} tokens): give longer traces or a smaller --recent")
     avg = (total / count).tolist()
     profile: dict[str, Any] = {"kind": DUO_KIND if kind == "duo" else CURVES_KIND, "version": 1, "model": model_id(model),
-                               "fingerprint": model_fingerprint(model), "prompts": count}
+                               "fingerprint": model_fingerprint(model, weights=True), "prompts": count}
     if kind == "duo":
         profile.update({"head_scores": avg, "sinks": sinks, "recent": recent,
                         "measure": "attention mass outside the first `sinks` and the newest `recent` tokens"})

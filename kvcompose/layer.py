@@ -25,6 +25,7 @@ Shapes: B batch rows, H KV heads, Hq query heads, Q new tokens, T held tokens, D
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -46,7 +47,7 @@ from .prefetch import Merged
 from .seeding import derived_seed
 from .segment import CacheStats, CoreConfig, QueryRing, Segment
 from .stores import KVStore, StoreView, make_store
-from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
+from .view import AttentionStep, KVComposeError, KVComposeWarning, LayerSpec, LayerView
 
 __all__ = ["ComposeLayer", "Segment", "QueryRing", "CoreConfig", "CacheStats", "check_incoming"]
 
@@ -116,6 +117,7 @@ class ComposeLayer(CacheLayerMixin):
         self._peak_held = 0
         self._peak_alloc = 0
         self.compacted_at = 0  # tokens seen when a compaction last removed tokens of this layer (crop's limit)
+        self.padding: Tensor | None = None  # [B] padding tokens seen per row (None: none so far)
         self.is_initialized = False
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -267,6 +269,10 @@ class ComposeLayer(CacheLayerMixin):
         qvalid = self._new_valid(mask2d, q)  # None: the new tokens are all real (one host sync per forward)
         if qvalid is not None:
             seg.store.set_tail_valid(qvalid)
+            pad = (~qvalid).sum(-1)
+            self.padding = pad if self.padding is None else self.padding + pad
+            if not self.config.padding_warned:
+                self._warn_padded()
         if self._window:
             self._record(seg, query, seen, qvalid)
         tokens = self._gather()
@@ -321,6 +327,16 @@ class ComposeLayer(CacheLayerMixin):
             pad = not bool(mask2d[:, -q:].all())
             self.config.step_padding = (key, pad)
         return mask2d[:, -q:].to(device=self.device, dtype=torch.bool) if pad else None
+
+    def _warn_padded(self) -> None:
+        """Once per cache, at the first forward with padding: say why a padded row may keep other tokens than the
+        row alone with this pipeline (`Pipeline.padded_rows_note`), if it may."""
+        self.config.padding_warned = True
+        note = self.config.pipeline.padded_rows_note()
+        if note and self.config.pipeline.compresses:
+            warnings.warn(f"{self.config.pipeline!r} on a batch with left padding: a padded row may keep other tokens "
+                          f"than the same row alone: {note} (docs/methods.md, 'Batches with left padding')",
+                          KVComposeWarning, stacklevel=6)
 
     def _record(self, seg: Segment, query: Tensor, seen: int, qvalid: Tensor | None) -> None:
         """Keep the newest `query_window` queries (a decoded query is one in-place write of the ring)."""
@@ -397,7 +413,7 @@ class ComposeLayer(CacheLayerMixin):
             query_valid=ring.valid, seen=seg.start + seg.n,
             scale=self.scale if self.scale is not None else self.head_dim**-0.5,
             generator=self.generator, event=seg.events, rows=rows, cache_budget=self.config.budget,
-            host_real=self._host_real(seg),
+            host_real=self._host_real(seg), padding=self.row_padding(seg),
         )
         return view, channels, merged
 
@@ -411,6 +427,10 @@ class ComposeLayer(CacheLayerMixin):
         if tier.holds_tokens and seg.tier and extra is None and tier.version(seg.tier):
             return None
         return seg.store.host_lengths + (0 if extra is None else extra)
+
+    def row_padding(self, seg: Segment) -> Int[Tensor, " B"] | None:
+        """`[B]` padding tokens of each row among the tokens up to the end of `seg` (None: none)."""
+        return self.padding
 
     def compress(self, seg: Segment | None = None, rows: Tensor | None = None, budget: int | None = None,
                  pipeline: Pipeline | None = None, merged: Merged | None = None) -> Selection:
@@ -475,6 +495,8 @@ class ComposeLayer(CacheLayerMixin):
             if seg.limits is not None:
                 seg.limits = fn(seg.limits)
             self.batch_size = seg.store.batch
+        if self.padding is not None:
+            self.padding = fn(self.padding)
         self.spec = LayerSpec(self.layer_idx, self.config.num_layers, self.batch_size, self.num_heads, self.head_dim,
                               self.value_dim, self.device, self.dtype)
         self.config.prefetcher.clear()

@@ -88,7 +88,7 @@ class BlockProtectValueNorm(ProtectValueNorm):
     def block_values(self, view: LayerView) -> tuple[Float[Tensor, "B H NB"], Int[Tensor, "B H T"]]:
         """`(value of every block [B, H, NB] (-inf: no eligible token), block id of every slot [B, H, T])`."""
         mag, eligible = self.magnitudes(view)  # [B, H, T] each
-        blk = _block_ids(view.positions, view.valid, self.block)
+        blk = _block_ids(view.row_positions, view.valid, self.block)
         nb = int(blk.max()) + 1 if blk.numel() else 1
         val = torch.full((*blk.shape[:2], nb), float("-inf"), device=mag.device, dtype=mag.dtype).scatter_reduce_(
             -1, blk, mag.masked_fill(~eligible, float("-inf")), "amax")  # [B, H, NB]
@@ -330,7 +330,7 @@ class VotingValueProtect(BlockProtectValueNorm):
         ev = self.event
         if ev.mode == "record":
             mask = super().protect(view, budget, room)  # [B, H, T], the same blocks in every head
-            blk = _block_ids(view.positions, view.valid, self.block)
+            blk = _block_ids(view.row_positions, view.valid, self.block)
             nb = int(blk.max()) + 1 if blk.numel() else 1
             vote = torch.zeros(blk.shape[0], nb, device=mask.device).scatter_reduce_(
                 -1, blk[:, 0], mask[:, 0].float(), "amax")  # [B, NB]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+import functools
 from functools import partial
 from typing import Any
 
@@ -23,7 +24,7 @@ import inspect
 
 import numpy as np
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .allocators import Allocator, Uniform
@@ -34,7 +35,7 @@ from .protectors import Protector, ProtectPrompt
 from .scorers import Scorer
 from .selectors import Selector
 from .tiers import Evict, TierStore
-from .view import FAR_POSITION, AttentionStep, KVComposeError, LayerSpec, LayerView, warn_unused
+from .view import AttentionStep, KVComposeError, LayerSpec, LayerView, warn_unused
 
 __all__ = ["Pipeline", "Selection"]
 
@@ -85,6 +86,18 @@ def _check_blocks(blocks: tuple, where: str) -> None:
             what = f"{role_of(b)} {b!r}" if isinstance(b, Block) else type(b).__name__
             raise KVComposeError(f"{where}: got {what[:120]}, which is not a kvcompose block of one of the roles "
                                  "Scorer, Protector, Selector, Allocator, TierStore, Merger")
+
+
+def _by_row(view: LayerView, keys: list, make: Callable[[Any], Tensor]) -> Bool[Tensor, "B H T"]:
+    """`make(key)` for each row's key (rows of one key share one call), each row taking its own key's mask."""
+    distinct = list(dict.fromkeys(keys))
+    if len(distinct) == 1:
+        return make(distinct[0])
+    out = torch.zeros_like(view.valid)
+    for key in distinct:
+        rows = torch.tensor([k == key for k in keys], device=view.device)
+        out |= make(key) & rows[:, None, None]
+    return out
 
 
 def _flatten(block: Block, leaves: list[Block]) -> Any:
@@ -186,8 +199,32 @@ class Pipeline:
 
     @property
     def draws_random(self) -> bool:
-        """True when some block draws from the layer's seeded generator (the cache's `seed` then matters)."""
-        return any(b.draws_random for b in (*self.leaves, *self.parts, self.tier))
+        """True when some block draws from the layer's seeded generator at an event (the cache's `seed` then
+        matters). A merger runs on the tokens that leave for good, so it draws only with a tier that evicts."""
+        merging = self.merger is not None and self.tier.evicts
+        skip = set() if merging or self.merger is None else {id(self.merger), *map(id, self._leaves_of(self._merger_index))}
+        return any(b.draws_random for b in (*self.leaves, *self.parts, self.tier) if id(b) not in skip)
+
+    def _leaves_of(self, idx: Any) -> list[Block]:
+        """The leaves of a part, from its index tree."""
+        if isinstance(idx, int):
+            return [self.leaves[idx]]
+        return [leaf for i in idx for leaf in self._leaves_of(i)]
+
+    def padded_rows_note(self) -> str | None:
+        """Why a left-padded row of a batch may keep other tokens than the same row alone with this pipeline (None:
+        it keeps the same): its blocks' `padded_rows` notes, and random draws (they follow the batch's shape)."""
+        if not self.compresses:
+            return None
+        notes = []
+        for b in (*self.parts, *self.leaves, self.tier):
+            note = b.padded_rows
+            if note and note not in notes:
+                notes.append(note)
+        if self.draws_random:
+            notes.append("its random draws follow the batch's shape, so a row of a batch draws other numbers than "
+                         "the row alone")
+        return "; ".join(notes) or None
 
     @property
     def query_window(self) -> int:
@@ -247,6 +284,29 @@ class Pipeline:
                  pick(Allocator, self.allocator), pick(TierStore, self.tier), pick(Merger, self.merger)]
         return Pipeline(*[p for p in parts if p is not None], name=name,
                         interval=self.interval if interval is None else interval)
+
+    def blocks(self) -> list[Block]:
+        """Every block of the pipeline, once: its parts, their children and the blocks they hold as attributes
+        (e.g. `Compactor`'s leverage part), and the tier."""
+        out: list[Block] = []
+        todo: list[Any] = [*self.parts, self.tier]
+        while todo:
+            b = todo.pop(0)
+            if not isinstance(b, Block) or any(b is o for o in out):
+                continue
+            out.append(b)
+            todo += list(b.children())
+            for v in vars(b).values():
+                todo += [v] if isinstance(v, Block) else [x for x in v if isinstance(x, Block)] if isinstance(
+                    v, (tuple, list)) else []
+        return out
+
+    def bind_model(self, model: Any) -> None:
+        """Give every block the model a cache decodes with (`Block.bind_model`): blocks that read the model's
+        weights take them, and a block made for another model (a profile calibrated on it, its weights) refuses it
+        with a `KVComposeError`."""
+        for b in self.blocks():
+            b.bind_model(model)
 
     # -- state ------------------------------------------------------------------------------------
     def init(self, spec: LayerSpec) -> tuple:
@@ -323,36 +383,44 @@ class Pipeline:
         scores = None
         if self.scorer is not None:
             scores = self.scorer(view, self._tree(self._scorer_index, states, channels))
-        protected = torch.zeros_like(view.valid)
-        bmin = int(host_budget.min())
+        # protectors count with each row's smallest head budget (and room), never another row's: with per-head
+        # budgets a share such as ProtectRecent(0.5) would otherwise protect what the batch's smallest head allows
+        row_min = [int(x) for x in np.asarray(host_budget).min(-1)]
+        bmin = min(row_min)
         fixed = [p for p in self.protectors if not isinstance(p, ProtectPrompt)]
-        for p in fixed:
-            protected |= p(view, bmin)
+        protected = _by_row(view, row_min, lambda b: functools.reduce(
+            torch.logical_or, [p(view, b) for p in fixed], torch.zeros_like(view.valid)))
         retain = None
         if self.tier.holds_tokens:
-            retain = partial(self.tier.retained, (view.positions < FAR_POSITION).sum(-1), per_head, view.seen)
+            seen = view.seen if view.padding is None else view.row_seen[:, None]  # left padding not counted
+            retain = partial(self.tier.retained, view.valid.sum(-1), per_head, seen)
         limit = per_head if retain is None else per_head + retain(protected.sum(-1))
-        fixed_max = sum(p.max_count(bmin) for p in fixed)
+        fixed_row = [sum(p.max_count(rb) for p in fixed) for rb in row_min]
+        fixed_max = max(fixed_row)
         prompt = [p for p in self.protectors if isinstance(p, ProtectPrompt)]
         # the smallest limit per head the host can vouch for: the budget, plus what the tier keeps of the real
         # candidates when nothing is protected (retained grows with the protected count)
         lo = host_budget if retain is None else self._host_limit(view, host_budget, 0)
-        room = 0
+        rooms = [0] * len(row_min)
         if prompt:  # the room the other protectors leave (a host read only when the host cannot tell it)
             exact = lo is not None and (retain is None or np.array_equal(lo, self._host_limit(view, host_budget,
                                                                                                 fixed_max)))
-            room = (int(lo.min()) if exact and lo.size else int(limit.min())) - fixed_max
-            for p in prompt:
-                protected |= p(view, bmin, room)
+            lim_row = lo.min(-1).tolist() if exact and lo.size else limit.amin(-1).tolist()
+            rooms = [int(lim) - f for lim, f in zip(lim_row, fixed_row)]
+            protected = protected | _by_row(view, list(zip(row_min, rooms)), lambda key: functools.reduce(
+                torch.logical_or, [p(view, key[0], key[1]) for p in prompt], torch.zeros_like(view.valid)))
         n_prot = protected.sum(-1)
         if retain is not None:
             limit = per_head + retain(n_prot)
         # protectors promise at most their max_count (the prompt at most the room or its sinks): where that
         # bound fits the host's smallest limit nothing can overflow; else the check is read with the event's
         # other host values
-        bound = fixed_max + (max([room] + [p.max_count(bmin) for p in prompt]) if prompt else 0)
-        may_overflow = bound > bmin
-        if lo is None or bound > int(lo.min() if lo.size else 0):
+        bounds = [f + (max([r] + [p.max_count(rb) for p in prompt]) if prompt else 0)
+                  for f, r, rb in zip(fixed_row, rooms, row_min)]
+        bound = max(bounds)
+        may_overflow = any(bd > rb for bd, rb in zip(bounds, row_min))
+        lo_row = None if lo is None else (lo.min(-1) if lo.size else np.zeros(len(row_min), dtype=np.int64))
+        if lo_row is None or any(bd > int(lr) for bd, lr in zip(bounds, lo_row)):
             where = "" if limit is per_head else " plus what the tier keeps"
             check_later(n_prot > limit, lambda: (
                 f"protected tokens do not fit in a budget of {bmin}{where} (layer {view.layer_idx}): raise the "
@@ -362,8 +430,8 @@ class Pipeline:
         if _takes_hints(type(self.selector)):  # the selection takes the host budgets: no host sync
             hints = dict(host_budget=host_budget, may_overflow=may_overflow)
         kept, order = self.selector(scores, protected, view.valid, per_head, view.generator,
-                                    need_order=self.tier.holds_tokens or self.merger is not None, positions=view.positions,
-                                    **hints)
+                                    need_order=self.tier.holds_tokens or self.merger is not None,
+                                    positions=view.row_positions, **hints)
         values = None
         if self.merger is not None:
             values = self._merge(view, kept, order, n_prot, states, channels, out_states)
@@ -374,7 +442,7 @@ class Pipeline:
     def _host_limit(self, view: LayerView, host_budget: Any, protected: int) -> np.ndarray | None:
         """Per-head limits (budget plus what the tier keeps) on the host, from the mirrored real counts, as if
         every head protected `protected` tokens; None when the host does not know the counts."""
-        if view.host_real is None:
+        if view.host_real is None or view.padding is not None:  # left padding: the mirrors count its slots
             return None
         ph = torch.from_numpy(np.asarray(host_budget, dtype=np.int64))
         cand = torch.from_numpy(np.asarray(view.host_real, dtype=np.int64))
@@ -388,7 +456,7 @@ class Pipeline:
         n_kept = (kept >= 0).sum(-1)
         stay = n_kept
         if self.tier.holds_tokens:
-            stay = n_kept + self.tier.retained((view.positions < FAR_POSITION).sum(-1), n_kept, view.seen, n_prot)
+            stay = n_kept + self.tier.retained(view.valid.sum(-1), n_kept, view.seen if view.padding is None else view.row_seen[:, None], n_prot)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(t, device=order.device).expand_as(order))
         evicted = view.valid & (rank >= stay[..., None])
         if view.rows is not None:

@@ -55,6 +55,7 @@ class CoreConfig:
     reserve: bool = False
     observe: bool = True
     step_padding: tuple | None = None  # (key of a forward's 2-D mask, whether its new tokens include padding)
+    padding_warned: bool = False  # the pipeline's `padded_rows_note` was warned at a padded forward
 
     @property
     def paged(self) -> bool:

@@ -222,8 +222,9 @@ class BlockGranular(Selector):
     blocks are kept from most to least worth keeping while the kept tokens fit in the budget (protected
     blocks are always kept, so a head may hold up to `block - 1` tokens more per protected run).
 
-    A block is `position // block`: with block-granular eviction from the start, every held block is whole
-    except the newest one. `per_head=False` ranks blocks by their mean priority over the KV heads of the
+    A block is `position // block`, with positions counted from the row's first token (`LayerView.row_positions`:
+    a left-padded row cuts the blocks the row alone cuts, as a request's blocks start at its first token in a
+    paged engine): with block-granular eviction from the start, every held block is whole except the newest one. `per_head=False` ranks blocks by their mean priority over the KV heads of the
     row, so every head keeps the same blocks (one block table per layer, as in vLLM).
 
     Kept counts differ between rows and heads, so a pipeline with this selector stores its layers in paged
@@ -261,7 +262,8 @@ class BlockGranular(Selector):
         return self.inner.priority(scores, valid, generator)
 
     def blocks_of(self, positions: Int[Tensor, "B H T"], valid: Bool[Tensor, "B H T"]) -> Int[Tensor, "B H T"]:
-        """Block number of every slot (`position // block`); padding slots get -1."""
+        """Block number of every slot (`position // block`, positions counted from the row's first token, as the
+        pipeline passes them); padding slots get -1."""
         return torch.where(valid, positions // self.block, torch.full_like(positions, -1))
 
     def __call__(self, scores, protected, valid, budget, generator=None, need_order=False, positions=None):

@@ -81,6 +81,10 @@ class LayerView:
         cache_budget: the budget the cache was given, before any per-layer schedule (None: none).
         host_real: int64 numpy `[B, H]`: the real slots (positions before `FAR_POSITION`) per (row, head),
             known on the host (the store's and the tier's mirrored counts), or None.
+        padding: `[B]` left-padding tokens among the tokens seen of each row (None: no row was padded). A
+            left-padded row's own tokens start at position `padding[b]`: `row_positions` and `row_seen` count
+            from there, so a rule defined by counts or positions (LU-KV's ratio, ChunkKV's chunks) treats the
+            row as it would treat the row alone.
     """
 
     layer_idx: int
@@ -100,6 +104,21 @@ class LayerView:
     rows: Bool[Tensor, " B"] | None = None
     cache_budget: int | None = None
     host_real: Any = None
+    padding: Int[Tensor, " B"] | None = None
+
+    @property
+    def row_positions(self) -> Int[Tensor, "B H T"]:
+        """`[B, H, T]` positions counted from each row's first token (left padding not counted; padding slots get
+        negative positions)."""
+        if self.padding is None:
+            return self.positions
+        return self.positions - self.padding.to(self.positions.device)[:, None, None]
+
+    @property
+    def row_seen(self) -> Int[Tensor, " B"]:
+        """`[B]` tokens each row has seen, its left padding not counted."""
+        seen = torch.full((self.keys.shape[0],), self.seen, dtype=torch.long, device=self.keys.device)
+        return seen if self.padding is None else seen - self.padding.to(seen.device)
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -23,6 +23,16 @@ def examples(n: int) -> int:
     return n
 
 
+def ratio_curves(layers: int = 2, heads: int = 2, seed: int = 0) -> list:
+    """Random LU-KV budget curves `[99][layers][heads]` that follow their ratios (what `HeadCurves` accepts): row i
+    prunes `r = (i + 1) / 100` of the tokens on average, each (layer, head) within `min(r, 1 - r)` of it."""
+    u = torch.rand(99, layers, heads, generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    u = u - u.mean((1, 2), keepdim=True)
+    u = u / u.abs().amax((1, 2), keepdim=True).clamp(min=1e-6)
+    r = torch.arange(1, 100, dtype=torch.float32)[:, None, None] / 100
+    return (r + torch.minimum(r, 1 - r) * u).clamp(0, 1).tolist()
+
+
 def tree_model(arch: str = "llama"):
     """A tiny random model (2 layers, 4 heads, 2 KV heads, head dim 16), built once per architecture."""
     if arch not in _TREE_MODELS:

@@ -234,3 +234,32 @@ def test_valid_arguments_still_parse(files, tmp_path):
     from kvcompose.cli_args import one_line
 
     assert one_line("a\n  b") == "a b"
+
+
+def test_bench_refuses_a_method_whose_budget_is_too_small(tmp_path):
+    """`bench speed` and `bench throughput` printed an error for a method whose protectors do not fit the budget
+    (snapkv keeps 32 recent tokens: budget 16), then exited 0 and wrote a report without it (issue 28); now the
+    real entry point exits 2 with one line naming the method, before any model loads, and writes nothing."""
+    from kvcompose.testing import save_tiny_chat_model
+
+    tiny = save_tiny_chat_model(tmp_path / "model")
+    common = ["--model", tiny, "--budget", "16", "--new-tokens", "4", "--threads", "1"]
+    cases = {
+        "speed": ["bench", "speed", "--methods", "rkv", "snapkv", "--kvpress-python", "none", *common,
+                  "--out", str(tmp_path / "speed")],
+        "throughput": ["bench", "throughput", "--methods", "rkv", "snapkv", "--kv-memory", "1", *common,
+                       "--out", str(tmp_path / "throughput")],
+    }
+    # the entry point imports this checkout's kvcompose (an installed copy elsewhere would be tested instead)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(
+        [root, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
+    procs = {name: subprocess.Popen(_entry_point() + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=env, cwd=tmp_path) for name, argv in cases.items()}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=600)
+        lines = [line for line in stderr.splitlines() if line.strip() and "Warning" not in line]
+        assert p.returncode == 2, (name, p.returncode, stderr[-2000:])
+        assert len(lines) == 1 and "error:" in lines[0] and "snapkv" in lines[0] and "16" in lines[0], (name, stderr)
+        assert "loading" not in stderr, name
+        assert not (tmp_path / name).exists(), name

@@ -31,6 +31,8 @@ from kvcompose.methods import with_allocator, with_tier
 from kvcompose.testing import tiny_model
 from kvcompose.stores import PagedStore
 
+from helpers import ratio_curves
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BUDGET, INTERVAL, PROMPT, STEPS = 96, 8, 100, 36
@@ -42,7 +44,7 @@ PORTED = sorted(methods.PORTED)
 _PORTED_KW = {"lagkv": {"lag": 16}, "chunkkv": {"chunk": 8}, "noncausal_attention": {"chunk": 32, "window": 32},
               "compactor": {"chunk": 32, "window": 32},
               "duo_attention": {"profile": {"head_scores": [[0.9, 0.1], [0.2, 0.8]]}},
-              "lukv": {"curves": (torch.rand(99, 2, 2, generator=torch.Generator().manual_seed(0)) * 0.8).tolist()}}
+              "lukv": {"curves": ratio_curves(2, 2, seed=0)}}
 TIERS = {"host": HostTier, "compressed": lambda: CompressedTier(bits=8, key_group=8, value_group=8),
          "hierarchy": lambda: Hierarchy(compressed_ratio=0.25, evict_ratio=0.0,
                                         compressed=CompressedTier(bits=8, key_group=8, value_group=8))}

@@ -207,7 +207,7 @@ def test_switched_implementation_raises_at_the_step():
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache)
         model.set_attn_implementation("sdpa")
-        with pytest.raises(KVComposeError, match="did not run"):
+        with pytest.raises(KVComposeError, match="no longer uses kvcompose's attention implementation"):
             model(input_ids=ids[:, :1], past_key_values=cache)
 
 

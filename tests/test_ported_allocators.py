@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from helpers import random_view
+from helpers import random_view, ratio_curves
 from kvcompose import KVComposeCache, KVComposeError, PagedStore, cli, methods
 from kvcompose.blocks import DuoHeads, HeadCurves
 from kvcompose.blocks.duo import streaming_mask
@@ -78,7 +78,7 @@ def test_head_keep_counts_match_loop_reference():
 
 
 def test_head_curves_allocate():
-    curves = torch.rand(99, 4, 2, generator=torch.Generator().manual_seed(1)) * 0.9
+    curves = torch.tensor(ratio_curves(4, 2, seed=1))
     alloc = HeadCurves({"prune": curves.tolist()})
     view = random_view(b=2, h=2, t=40, d=8, seen=100, layer_idx=3, seed=1)
     got = alloc.allocate(view, 25)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from jaxtyping import TypeCheckError
 
-from helpers import random_view
+from helpers import random_view, ratio_curves
 from kvcompose import KeyNorm, KVComposeError, Pipeline, TopK
 from kvcompose.blocks import (
     CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore, NonCausalAttention,
@@ -493,7 +493,7 @@ def test_every_ported_preset_runs_in_generate(name):
     model = _preset_model()
     kw = {"lagkv": {"lag": 8}, "chunkkv": {"base": methods.snapkv(window=8)}, "adakv": {"base": methods.snapkv(window=8)},
           "duo_attention": {"profile": {"head_scores": [[0.9, 0.1], [0.2, 0.8]]}},
-          "lukv": {"curves": (torch.rand(99, 2, 2, generator=torch.Generator().manual_seed(0)) * 0.8).tolist()}}.get(name, {})
+          "lukv": {"curves": ratio_curves(2, 2, seed=0)}}.get(name, {})
     pipe = methods.preset(name, model=model, **kw)
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
     cache = KVComposeCache(model, pipe, budget=24, interval=8)

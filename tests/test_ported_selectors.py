@@ -109,8 +109,8 @@ def test_composite_tokens_keep_protected_and_floor():
     kept, order = CompositeTokens(structured=False, floor=2)(scores, prot, view.valid, torch.full((1, 2), 6),
                                                              need_order=True)
     k1 = set(kept[0, 1][kept[0, 1] >= 0].tolist())
-    assert 3 in k1 and len(k1) == 3  # the protected token plus the floor of 2
-    assert (kept[0, 0] >= 0).sum() == 9 and order.shape == (1, 2, 20)
+    assert 3 in k1 and len(k1) == 2  # the floor of 2 counts the protected token (issue 28: the row keeps its total)
+    assert (kept[0, 0] >= 0).sum() == 10 and order.shape == (1, 2, 20)
     with pytest.raises(KVComposeError):
         CompositeTokens(floor=-1)
 

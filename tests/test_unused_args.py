@@ -14,7 +14,7 @@ from kvcompose import (
 )
 from kvcompose.scorers import KeyNorm
 
-from helpers import tree_model
+from helpers import ratio_curves, tree_model
 
 MODEL = tree_model()
 
@@ -84,7 +84,7 @@ def test_preset_and_block_options_switched_off_warn():
 
 
 _DUO = {"head_scores": [[0.9, 0.1], [0.2, 0.8]]}
-_LUKV = {"prune": [[[0.5, 0.5], [0.5, 0.5]]] * 99}
+_LUKV = {"prune": ratio_curves(2, 2)}
 
 
 def test_ported_preset_arguments_without_effect_warn():
@@ -117,3 +117,19 @@ def test_ported_presets_are_silent_where_every_argument_counts():
     _silent(lambda: (methods.kvcompose_paper(structured=False, floor=2), CompositeTokens(structured=False, floor=0.2),
                      DuoHeads(_DUO, streaming=0.5, retrieval=8), methods.lukv(_LUKV, model=MODEL),
                      methods.expected_attention(MODEL), methods.criticalkv(MODEL)))
+
+
+def test_seed_of_a_block_that_draws_is_silent():
+    """`leverage`, `compactor`, `cam` and `CUR(random_projection=True)` draw from the layer's generator (the seed
+    changes what they keep); the cache warned that their seed had no effect. A merger draws only on tokens that
+    leave for good: with a tier that keeps every token, `cam`'s seed has no effect (and says so)."""
+    from kvcompose import HostTier
+    from kvcompose.blocks import CUR
+
+    for pipe in (methods.leverage(MODEL), methods.compactor(MODEL), methods.cam(), Pipeline(CUR(random_projection=True),
+                                                                                          TopK())):
+        _silent(lambda: KVComposeCache(MODEL, pipe, budget=64, seed=3))
+        _silent(lambda: BranchCache(MODEL, budget=64, scorer=pipe, tier=Evict(), seed=3))
+    _warns("seed=3\\) has no effect", lambda: KVComposeCache(MODEL, methods.with_tier(methods.cam(), HostTier()),
+                                                             budget=64, seed=3))
+    _silent(lambda: BranchCache(MODEL, budget=64, scorer=methods.cam(), host_limit=10**6, seed=3))  # may evict

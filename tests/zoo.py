@@ -11,6 +11,8 @@ from kvcompose import BlockGranular, HostTier, Hierarchy, CompressedTier, Pipeli
 from kvcompose.testing import TINY_PRESETS, greedy_steps
 from kvcompose.blocks import ExpectedAttention, Rotary
 
+from helpers import ratio_curves
+
 PRESETS = TINY_PRESETS
 """name -> a preset with windows small enough for budgets of 16-24 tokens (each one is in `methods.PRESETS`)."""
 
@@ -20,7 +22,7 @@ def _expected(model, **kw) -> ExpectedAttention:
 
 
 _DUO = {"head_scores": [[0.9, 0.1], [0.2, 0.8]]}  # 2 layers x 2 KV heads: heads (0, 1) and (1, 0) stream
-_LUKV = {"prune": (torch.rand(99, 2, 2, generator=torch.Generator().manual_seed(0)) * 0.8).tolist()}
+_LUKV = {"prune": ratio_curves(2, 2, seed=0)}
 
 PORTED = {
     "keydiff": lambda model: methods.keydiff(),

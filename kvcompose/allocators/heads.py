@@ -13,6 +13,7 @@ from torch import Tensor
 from ..block import LayerSchedule, require_role
 from ..hostsync import with_host
 from ..kernels import window_attention_scores
+from ..kernels.ref import top_last
 from ..view import FAR_POSITION, KVComposeError, LayerSpec, LayerView
 from .base import Allocator, _check_budget, _is_int, _share, round_to_total
 
@@ -144,9 +145,10 @@ class HeadUtility(Allocator):
             rank = torch.arange(f, t, device=dev)
             s = torch.where(rank[None, None, :] < n_valid, s, torch.full_like(s, -1.0))  # no phantom tokens
             k = min(extra, s.shape[1] * s.shape[2])
-            top = s.reshape(b, -1).topk(k, dim=-1)
-            head = top.indices // (t - f)
-            useful = top.values >= 0
+            flat = s.reshape(b, -1)
+            idx = top_last(flat, k)  # equal utilities: the same (head, rank) pairs whatever the padded width
+            head = idx // (t - f)
+            useful = flat.gather(-1, idx) >= 0
             counts.scatter_add_(-1, head, useful.long())
         left = total - h * f - counts.sum(-1)  # slots no head can use yet: spread evenly (heads will grow)
         even = left // h
@@ -208,6 +210,7 @@ class GrowPage(Allocator):
     """
 
     uniform = False
+    padded_rows = "GrowPage's page pool (its cap) is shared by the batch's rows"
 
     def __init__(self, page: int = 16, initial: int | float = 0.5, cap: int | float = 1.0, floor: int = 2,
                  room: int | None = None, coverage: int | float = 0.9, fast: float = 0.25, slow: float = 0.01,

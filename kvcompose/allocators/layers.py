@@ -14,6 +14,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from ..fingerprint import check_fingerprint, model_fingerprint, profile_matches
 from ..tiers.hierarchy import check_ratio, floor_share
 from ..view import KVComposeError, LayerView
 from .base import Allocator, _check_budget, _is_int, _round_list, _share
@@ -37,6 +38,8 @@ class SeenShare(Allocator):
     """
 
     needs_budget = False
+    padded_rows = ("SeenShare's HBM share is of the layer's tokens seen, left padding included, one budget for "
+                   "every row of the layer")
 
     def __init__(self, hbm_ratio: int | float, compressed_ratio: int | float = 0.0, evict_ratio: int | float = 0.0):
         self.hbm_ratio = check_ratio(hbm_ratio, "hbm_ratio")
@@ -297,6 +300,25 @@ class ReasoningWave(_PerLayer):
         self._auto[num_layers] = data
         self._memo.clear()
         self._capped.clear()
+
+    def bind_model(self, model: Any) -> None:
+        """The model a cache decodes with: `profile="auto"` takes the shipped profile whose fingerprint matches the
+        model's whole architecture (not only its layer and KV-head counts: another model of that shape gets none);
+        a given profile that records a fingerprint must match it (architecture, and weights when it records them)."""
+        if not self.auto:
+            check_fingerprint("ReasoningWave", self.profile, model, "calibrate a profile with `kvcompose calibrate`")
+            return
+        ours = model_fingerprint(model)
+        hits = [d for d in shipped_profiles() if d.get("fingerprint") and profile_matches(d["fingerprint"], ours)]
+        layers = int(ours["num_hidden_layers"])
+        if not hits:
+            if self._auto.get(layers) is not None or layers not in self._auto:
+                warnings.warn(
+                    f"ReasoningWave(profile='auto'): no shipped ReasoningWave profile matches this model's architecture "
+                    f"({ours['model_type']}, {layers} layers, hidden size {ours['hidden_size']}); layers stay uniform, "
+                    "only the head-wise part of ReasonAlloc runs. Calibrate one with `kvcompose calibrate --model M "
+                    "--data F --out profile.json` and pass profile='profile.json'.", stacklevel=4)
+        self.bind(hits[0] if hits else None, layers)
 
     def check(self, pipeline: Any, budget: int | None, num_layers: int, num_heads: int) -> None:
         self.resolve(num_layers, num_heads)

@@ -90,17 +90,16 @@ def _contenders(model, cfg: SpeedConfig, log) -> tuple[list[Contender], dict[str
                               "sdpa", budget=cfg.budget))
     rows.append(Contender("full (DynamicCache, sdpa)", "full", full_cache(model), "sdpa"))
     for m in cfg.methods:
-        try:
-            pipe = make_pipeline(m, None if m == "full" else cfg.budget)
-            kw = {} if cfg.interval is None else {"interval": cfg.interval}
-            budget = None if m == "full" else cfg.budget
+        pipe = make_pipeline(m, None if m == "full" else cfg.budget)
+        kw = {} if cfg.interval is None else {"interval": cfg.interval}
+        budget = None if m == "full" else cfg.budget
+        try:  # a method that cannot work at this budget (or on this model) ends the run before any decoding
             cache = KVComposeCache(model, pipe, budget=budget, seed=cfg.seed, **kw)
-            attn = model.config._attn_implementation
-            rows.append(Contender("full (kvcompose)" if m == "full" else m, "kvcompose", cache, attn, method=m,
-                                  budget=budget, interval=None if m == "full" else cache.interval))
-        except Exception as e:  # noqa: BLE001
-            errors[m] = f"{type(e).__name__}: {e}"
-            log(f"{m}: cannot build its cache: {errors[m]}")
+        except KVComposeError as e:
+            raise KVComposeError(f"{m} at budget {budget}: {e}") from None
+        attn = model.config._attn_implementation
+        rows.append(Contender("full (kvcompose)" if m == "full" else m, "kvcompose", cache, attn, method=m,
+                              budget=budget, interval=None if m == "full" else cache.interval))
     return rows, errors
 
 

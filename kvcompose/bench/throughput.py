@@ -139,6 +139,12 @@ def run_throughput(cfg: ThroughputConfig, log=print, model_and_tokenizer=None) -
     plans: list[dict[str, Any]] = []
     contenders: list[Contender] = []
     errors: dict[str, str] = {}
+    kw = {} if cfg.interval is None else {"interval": cfg.interval}
+    for m in cfg.methods:  # a method that cannot work at this budget (or on this model) ends the run before decoding
+        try:
+            KVComposeCache(model, make_pipeline(m, cfg.budget), budget=cfg.budget, seed=cfg.seed, **kw)
+        except KVComposeError as e:
+            raise KVComposeError(f"{m} at budget {cfg.budget}: {e}") from None
     # the full cache first
     hb = held_bound("full", p_max, cfg.new_tokens, None, None)
     bf = plan_batch(mem, per_tok, hb, cfg.max_batch)
@@ -151,7 +157,6 @@ def run_throughput(cfg: ThroughputConfig, log=print, model_and_tokenizer=None) -
                                 attention_mask=am))
     for m in cfg.methods:
         try:
-            kw = {} if cfg.interval is None else {"interval": cfg.interval}
             probe = KVComposeCache(model, make_pipeline(m, cfg.budget), budget=cfg.budget, seed=cfg.seed, **kw)
             interval = probe.interval
             formula = held_bound(m, p_max, cfg.new_tokens, cfg.budget, interval)

@@ -85,6 +85,8 @@ class CAM(Merger):
     Shapes: values `[B, H, T, Dv]`; state `(A [B, H, T], last event [B])`.
     """
 
+    draws_random = True  # the Bernoulli merge decisions
+
     def __init__(self, window: int = 32):
         if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
             raise KVComposeError(f"CAM: window must be a positive int, got {window!r}")

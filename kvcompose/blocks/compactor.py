@@ -42,6 +42,8 @@ class Compactor(Scorer):
     Shapes: keys `[B, H, T, D]`, values `[B, H, T, Dv]`, queries `[B, Hq, W, D]` -> `[B, H, T]`.
     """
 
+    draws_random = True  # the leverage part's sketch, at every event
+
     def __init__(self, rope: Rotary | None, sinks_start: int = 8, sinks_end: int = 4, chunk: int = 256,
                  sketch: int = 48, blending: float | None = None, window: int | None = 256):
         for name, v in (("sinks_start", sinks_start), ("sinks_end", sinks_end)):

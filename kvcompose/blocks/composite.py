@@ -103,7 +103,8 @@ class CompositeTokens(Selector):
         structured: composite (equal per-head counts) or unstructured (per-head counts from a global top-k).
         floor: unstructured only: tokens every head keeps at least, an int (kvpress KVCompose's
             `keep_token_lower_bound`, 0; at least 1 is always kept) or a share of the head's budget (AdaKV's
-            `alpha_safeguard`, e.g. 0.2).
+            `alpha_safeguard`, e.g. 0.2). The floor counts the head's protected tokens and is capped at its
+            budget, so what the heads are forced to keep fits in the row's total `sum_h budget[b, h]`.
     """
 
     def __init__(self, structured: bool = True, floor: int | float = 0):
@@ -133,9 +134,12 @@ class CompositeTokens(Selector):
             lo = (budget.double() * self.floor).long().clamp(min=1)
         else:
             lo = torch.full_like(n_real, max(self.floor, 1))
-        lo = torch.minimum(lo, n_real)
-        rank = torch.sort(torch.sort(scores.masked_fill(~valid, float("-inf")), dim=-1, descending=True,
-                                     stable=True).indices, dim=-1).indices
+        # the floor counts the head's protected tokens and never exceeds its budget: what every head is forced to
+        # keep then fits in the row's total (a floor on top of the protected tokens kept 13 of a total of 12)
+        n_prot = (protected & valid).sum(-1)
+        lo = (torch.minimum(torch.minimum(lo, budget), n_real) - n_prot).clamp(min=0)
+        free = scores.masked_fill(~valid | protected, float("-inf"))
+        rank = torch.sort(torch.sort(free, dim=-1, descending=True, stable=True).indices, dim=-1).indices
         key = torch.nan_to_num(scores.float(), nan=-3e38, posinf=3e38, neginf=-3e38).clamp(-1e30, 1e30)
         key = torch.where(protected | (rank < lo[..., None]), torch.full_like(key, 3e38), key)
         key = torch.where(valid, key, torch.full_like(key, -3.4e38)).reshape(b, h * t)

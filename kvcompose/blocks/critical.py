@@ -14,15 +14,33 @@ from torch import Tensor
 
 from ..block import Block
 from ..scorers import Scorer
+from ..fingerprint import same_weights, weights_sample
 from ..kernels.ref import top_last
 from ..view import KVComposeError, LayerView
 
 __all__ = ["OutputProjection", "CriticalKV"]
 
 
+def _o_proj_weights(model) -> tuple[list[Tensor], int]:
+    """`(o_proj.weight of every decoder layer, query heads)` of a Hugging Face model (Llama-style attention)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    mods = [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "o_proj")]
+    if len(mods) != config.num_hidden_layers:
+        raise KVComposeError(f"OutputProjection: found {len(mods)} attention modules with o_proj, the model has "
+                             f"{config.num_hidden_layers} layers")
+    return [m.o_proj.weight for m in mods], config.num_attention_heads
+
+
 class OutputProjection:
     """The attention output projections `W_o` of a model, one per decoder layer, as `[Hq, Dv, hidden]` views
     (no copy: the model's own weights). Static model data a block is given, like `Rotary`.
+
+    It holds references to the weights, never a copy of them: `copy.deepcopy`, `pickle` and `torch.save` (of it,
+    of a pipeline or of a cache that holds it, or a vLLM config that pickles the pipeline) keep only its shapes and
+    a small sample of the weights (`kvcompose.fingerprint.weights_sample`), and the copy takes the weights again from the
+    model it is used with (`bind(model)`, which a cache calls with its model: when it is built, and by
+    `cache.bind(model)`). A model whose `o_proj` weights differ from the ones it was made from (another model of the
+    same shape) is refused there.
 
     Args:
         weights: per layer, `o_proj.weight` (`[hidden, Hq * Dv]`, nn.Linear's layout).
@@ -36,22 +54,53 @@ class OutputProjection:
             raise KVComposeError(f"OutputProjection: {heads!r} query heads do not divide the weight width "
                                  f"{weights[0].shape[1]}")
         self.heads = heads
-        self.weights = [w.detach() for w in weights]
+        self.shapes = [tuple(w.shape) for w in weights]
+        self.sample = weights_sample(weights)
+        self._weights: list[Tensor] | None = [w.detach() for w in weights]
 
     @staticmethod
     def from_model(model) -> "OutputProjection":
         """`o_proj` of every decoder layer of a Hugging Face model (Llama-style attention modules)."""
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        mods = [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "o_proj")]
-        if len(mods) != config.num_hidden_layers:
-            raise KVComposeError(f"OutputProjection: found {len(mods)} attention modules with o_proj, the model has "
-                                 f"{config.num_hidden_layers} layers")
-        return OutputProjection([m.o_proj.weight for m in mods], config.num_attention_heads)
+        weights, heads = _o_proj_weights(model)
+        return OutputProjection(weights, heads)
+
+    def bind(self, model) -> None:
+        """Take references to `model`'s `o_proj` weights; refuse a model whose weights are not the ones this was
+        made from (`KVComposeError`)."""
+        weights, heads = _o_proj_weights(model)
+        if heads != self.heads or [tuple(w.shape) for w in weights] != self.shapes:
+            raise KVComposeError(f"OutputProjection: made for {len(self.shapes)} layers of o_proj {self.shapes[0]} and "
+                                 f"{self.heads} query heads, the model has {len(weights)} of "
+                                 f"{tuple(weights[0].shape) if weights else None} and {heads}: build it from this "
+                                 "model (criticalkv(model=model))")
+        if not same_weights(self.sample, weights_sample(weights)):
+            raise KVComposeError("OutputProjection: made from another model's o_proj weights (a model of the same "
+                                 "shape; their samples differ): build it from the model the cache decodes with "
+                                 "(criticalkv(model=model))")
+        self._weights = [w.detach() for w in weights]
+
+    @property
+    def bound(self) -> bool:
+        """True when it holds the weights (False for a copy or a loaded one before `bind(model)`)."""
+        return self._weights is not None
+
+    @property
+    def weights(self) -> list[Tensor]:
+        """Per layer, `o_proj.weight` (references to the model's own)."""
+        if self._weights is None:
+            raise KVComposeError("OutputProjection holds no weights: it was copied or loaded (copies never copy "
+                                 "model weights); a cache binds it to its model (KVComposeCache(model, ...), "
+                                 "cache.bind(model)), or call pipeline.bind_model(model)")
+        return self._weights
+
+    def __getstate__(self) -> dict:
+        """copy.deepcopy / pickle / torch.save: the shapes and the sample, never the weights."""
+        return {**self.__dict__, "_weights": None}
 
     def head_weights(self, layer: int) -> Float[Tensor, "Hq Dv E"]:
         """`W_o` of a layer split per query head: `[Hq, Dv, hidden]`."""
-        if not 0 <= layer < len(self.weights):
-            raise KVComposeError(f"OutputProjection holds {len(self.weights)} layers, not layer {layer}")
+        if not 0 <= layer < len(self.shapes):
+            raise KVComposeError(f"OutputProjection holds {len(self.shapes)} layers, not layer {layer}")
         w = self.weights[layer]
         return w.t().reshape(self.heads, w.shape[1] // self.heads, w.shape[0])
 
@@ -68,7 +117,7 @@ class OutputProjection:
         return torch.stack(out, 1).reshape(b, h, g, t).mean(2)
 
     def __repr__(self) -> str:
-        return f"OutputProjection(layers={len(self.weights)}, heads={self.heads})"
+        return f"OutputProjection(layers={len(self.shapes)}, heads={self.heads})"
 
 
 class CriticalKV(Scorer):
@@ -105,6 +154,10 @@ class CriticalKV(Scorer):
 
     def children(self) -> tuple[Block, ...]:
         return (self.inner,)
+
+    def bind_model(self, model) -> None:
+        """Take the model's output projections (a copied or loaded pipeline holds none); refuse another model's."""
+        self.projection.bind(model)
 
     def score(self, view: LayerView, state: Any = None) -> Float[Tensor, "B H T"]:
         inner_state = state[0] if isinstance(state, tuple) else None

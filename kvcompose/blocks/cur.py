@@ -53,6 +53,11 @@ class CUR(Scorer):
         self.sinks, self.kind, self.random_projection = sinks, kind, bool(random_projection)
         self.local, self.window, self.rank = bool(local), window, rank
 
+    @property
+    def draws_random(self) -> bool:  # type: ignore[override]
+        """True with `random_projection` (a fresh Gaussian `G` from the layer's generator at every event)."""
+        return self.random_projection
+
     def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
         keys, values, valid = view.keys.float(), view.values.float(), view.valid
         if self.random_projection:

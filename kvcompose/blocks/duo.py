@@ -7,6 +7,7 @@ arXiv 2410.10819; kvpress's `DuoAttentionPress`.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from ..allocators import Allocator
+from ..fingerprint import check_fingerprint
 from ..view import FAR_POSITION, KVComposeError, LayerView, warn_unused
 from ._util import check_head_table, check_page_size, read_profile
 
@@ -32,6 +34,11 @@ def load_duo_profile(profile: str | os.PathLike | dict) -> dict[str, Any]:
     if (not isinstance(scores, list) or not scores or not all(isinstance(r, list) and r for r in scores)
             or len({len(r) for r in scores}) != 1):
         raise KVComposeError("DuoHeads: the profile needs 'head_scores', one list of numbers per layer, of equal length")
+    for i, row in enumerate(scores):
+        for j, x in enumerate(row):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                raise KVComposeError(f"DuoHeads: head_scores[{i}][{j}] is {x!r}, not a finite number: every (layer, KV "
+                                     "head) needs a score (`kvcompose calibrate --target duo` writes them)")
     return data
 
 
@@ -95,6 +102,10 @@ class DuoHeads(Allocator):
             prof["sinks"], prof["recent"] = cfg.get("sink_size"), cfg.get("recent_size")
         return DuoHeads(prof, streaming=streaming, **kw)
 
+    def bind_model(self, model: Any) -> None:
+        """Refuse a model the profile was not calibrated on (its recorded fingerprint: architecture and weights)."""
+        check_fingerprint("DuoHeads", self.profile, model, "calibrate a profile with `kvcompose calibrate --target duo`")
+
     def check(self, pipeline: Any, budget: int | None, num_layers: int, num_heads: int) -> None:
         check_head_table("DuoHeads", tuple(self.mask.shape), num_layers, num_heads, "duo")
         super().check(pipeline, budget, num_layers, num_heads)
@@ -110,7 +121,8 @@ class DuoHeads(Allocator):
         stream = self.heads(view.layer_idx).to(view.device)
         if stream.numel() != h:
             raise KVComposeError(f"DuoHeads: the profile has {stream.numel()} KV heads, the layer {h}")
-        held = (view.positions < FAR_POSITION).sum(-1).clamp(min=1)  # every slot the head holds (padding included)
+        # every real token the head holds (left padding does not count: a padded row keeps what the row alone keeps)
+        held = (view.valid & (view.positions < FAR_POSITION)).sum(-1).clamp(min=1)
         keep = held if self.retrieval is None else held.clamp(max=self.retrieval)
         return torch.where(stream[None, :], torch.full_like(held, budget), torch.maximum(keep, torch.full_like(keep, budget)))
 

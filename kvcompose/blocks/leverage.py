@@ -67,6 +67,8 @@ class LeverageScore(Scorer):
     Shapes: keys `[B, H, T, D]` -> `[B, H, T]`.
     """
 
+    draws_random = True  # the sketch, at every event
+
     def __init__(self, rope: Rotary | None, sketch: int = 48):
         if rope is not None and not isinstance(rope, Rotary):
             raise KVComposeError(f"LeverageScore: rope must be a kvcompose Rotary or None, got {type(rope).__name__}")

@@ -14,12 +14,15 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from ..allocators import Allocator
+from ..fingerprint import check_fingerprint
 from ..view import FAR_POSITION, KVComposeError, LayerView
 from ._util import check_head_table, check_page_size, read_profile
 
-__all__ = ["HeadCurves", "CURVES_KIND", "head_keep_counts"]
+__all__ = ["HeadCurves", "CURVES_KIND", "head_keep_counts", "RATIO_TOLERANCE"]
 
 CURVES_KIND = "kvcompose.head_curves"
+RATIO_TOLERANCE = 0.1
+"""How far a curve's mean prune share may be from its ratio (row i: (i + 1) / 100) before `HeadCurves` refuses it."""
 
 
 def head_keep_counts(prune: Float[Tensor, " H"], seq_len: int) -> Int[Tensor, " H"]:
@@ -41,7 +44,8 @@ class HeadCurves(Allocator):
     """LU-KV's allocation: a budget curve gives, for each global compression ratio `r` in 1%..99%, the share of
     its tokens each (layer, KV head) prunes; the layers' totals differ (the allocation is global).
 
-    At an event of layer `l` that has seen `n` tokens with cache budget `B`, `r = 1 - B / n` picks the curve's row
+    At an event of layer `l` whose row has seen `n` tokens (its left padding not counted) with cache budget `B`,
+    `r = 1 - B / n` picks the curve's row
     `round(100 r) - 1` (clamped to 0..98), and head `h` keeps `(1 - prune[r, l, h]) * n` tokens, rounded as
     kvpress does (`head_keep_counts`) and never more than it holds. kvpress's `LUKVPress` runs at prefill, where
     `n` is the prompt: the same rule. During decoding `n` is every token seen, so a curve calibrated on full
@@ -50,7 +54,10 @@ class HeadCurves(Allocator):
 
     Curves: a `[99, layers, KV heads]` list in a profile (`kvcompose calibrate --target lukv`, which measures them on
     full-cache traces: for each ratio, the global top-k of every head's sorted attention mass) or LU-KV's own
-    `.npy` curves loaded by the caller.
+    `.npy` curves loaded by the caller. Checked when given: finite shares in [0, 1], each row's mean within
+    `RATIO_TOLERANCE` (0.1) of its ratio (curves that ignore their ratios are refused), and, when a cache is built,
+    the shape `[99, layers, KV heads]` of its model and the fingerprint a calibrated profile records (architecture
+    and a sample of the weights: curves of another model of the same shape are refused).
 
     Args:
         curves: a path or dict with `prune` `[99][L][H]`, or the array itself.
@@ -72,10 +79,28 @@ class HeadCurves(Allocator):
         if t.dim() != 3 or t.shape[0] != 99 or not bool(torch.isfinite(t).all()) or bool(((t < 0) | (t > 1)).any()):
             raise KVComposeError(f"HeadCurves: curves must be a [99, layers, KV heads] array of shares in [0, 1], "
                                  f"got shape {tuple(t.shape)}")
+        # row i is the curve of the global ratio r = (i + 1) / 100: its heads prune r of the tokens on average (the
+        # global top-k that calibrates it keeps 1 - r of them); curves that ignore their ratio would keep (or drop)
+        # the same tokens whatever the budget
+        ratios = torch.arange(1, 100, dtype=torch.float32, device="cpu") / 100
+        off = (t.mean((1, 2)) - ratios).abs()
+        if bool((off > RATIO_TOLERANCE).any()):
+            i = int(off.argmax())
+            raise KVComposeError(f"HeadCurves: the curves do not follow their ratios: row {i} (ratio {i + 1}%) prunes "
+                                 f"{float(t[i].mean()):.0%} of the tokens on average, not about {i + 1}% (more than "
+                                 f"{RATIO_TOLERANCE:.0%} off): the cache would not keep what the budget asks; "
+                                 "calibrate them with `kvcompose calibrate --target lukv`")
         check_page_size("HeadCurves", page_size)
         if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1:
             raise KVComposeError(f"HeadCurves: floor must be a positive int, got {floor!r}")
         self.prune, self.page_size, self.floor = t, page_size, floor
+        self.fingerprint = curves.get("fingerprint") if isinstance(curves, dict) else None
+        self.model = curves.get("model") if isinstance(curves, dict) else None
+
+    def bind_model(self, model: Any) -> None:
+        """Refuse a model the curves were not calibrated on (their recorded fingerprint: architecture and weights)."""
+        check_fingerprint("HeadCurves", {"fingerprint": self.fingerprint, "model": self.model}, model,
+                          "calibrate curves with `kvcompose calibrate --target lukv`")
 
     def check(self, pipeline: Any, budget: int | None, num_layers: int, num_heads: int) -> None:
         check_head_table("HeadCurves", tuple(self.prune.shape[1:]), num_layers, num_heads, "lukv")
@@ -93,11 +118,15 @@ class HeadCurves(Allocator):
 
     def allocate(self, view: LayerView, budget: int) -> Int[Tensor, "B H"]:
         b, h, _ = view.shape
-        keep = self.keep_counts(view.layer_idx, budget, view.seen).to(view.device)
-        if keep.numel() != h:
-            raise KVComposeError(f"HeadCurves: the curves have {keep.numel()} KV heads, the layer {h}")
-        held = (view.positions < FAR_POSITION).sum(-1).clamp(min=1)
-        return torch.minimum(keep[None, :].expand(b, h).clamp(min=min(self.floor, budget)), held)
+        if self.prune.shape[2] != h:
+            raise KVComposeError(f"HeadCurves: the curves have {self.prune.shape[2]} KV heads, the layer {h}")
+        # a row's own tokens: its left padding counts neither in the ratio nor among what a head holds, so a
+        # padded row of a batch keeps what the row alone keeps
+        seen = [view.seen] * b if view.padding is None else view.row_seen.tolist()  # a host read only when padded
+        counts = {n: self.keep_counts(view.layer_idx, budget, n) for n in set(seen)}
+        keep = torch.stack([counts[n] for n in seen]).to(view.device)  # [B, H]
+        held = (view.valid & (view.positions < FAR_POSITION)).sum(-1).clamp(min=1)
+        return torch.minimum(keep.clamp(min=min(self.floor, budget)), held)
 
     def __repr__(self) -> str:
         src = os.path.basename(self.path) if self.path else "array"

@@ -39,10 +39,14 @@ def evicted_slots(evicted: Bool[Tensor, "B H T"]) -> tuple[Int[Tensor, "B H E"],
 
 
 def kept_mask(kept: Int[Tensor, "B H K"], t: int) -> Bool[Tensor, "B H T"]:
-    """`[B, H, T]` True at the kept slots."""
+    """`[B, H, T]` True at the kept slots. The -1 padding of a head that keeps fewer goes to a spare slot past the
+    end (scattered onto slot 0, its False could overwrite slot 0's True: a merge into a head's first token was lost
+    when that head kept fewer tokens than another)."""
     b, h, _ = kept.shape
-    out = torch.zeros(b, h, t, dtype=torch.bool, device=kept.device)
-    return out.scatter_(-1, kept.clamp(min=0), kept >= 0) if kept.numel() else out
+    out = torch.zeros(b, h, t + 1, dtype=torch.bool, device=kept.device)
+    if kept.numel():
+        out.scatter_(-1, torch.where(kept >= 0, kept, torch.full_like(kept, t)), True)
+    return out[..., :t]
 
 
 class Merger(Block):

@@ -132,6 +132,9 @@ class BudgetMixin:
             if layer_idx == 0:
                 freed = before - seg.held()
         node.compressed = True
+        # a merger folds the values of the tokens that leave for good into kept ones: the held prefix a
+        # recomputation would start after is no longer what the model wrote (`_recompute` starts at 0 then)
+        node.merged = getattr(node, "merged", False) or pipeline.merger is not None
         self.compressions += 1
         self._track()
         return freed
@@ -156,6 +159,7 @@ class BudgetMixin:
         if any(seg.held() < node.n or bool((seg.store.host_lengths < node.n).any()) for seg in node.segs):
             self._recompute(node, path)
         node.compressed = False
+        node.merged = False
 
     def rehydrate(self) -> None:
         """Restore the active path now (otherwise done lazily before the next forward on it)."""

@@ -29,7 +29,8 @@ Our design (everything below is ours, the abstract gives no mechanism), on kvcom
   forward on it (a forward pre-hook on the model, or at the first layer's `update`), tier-held tokens are
   copied back and merged by position (bit-exact), then each node that lost tokens is recomputed from its
   recorded token ids, position ids and padding over its restored ancestors (one prefill of the node's
-  tail). With `rehydrate="resume"`, the branch resumes from what its nodes still hold (approximate, no
+  tail; of the whole node when the pipeline's `Merger` folded evicted values into the tokens it kept, since
+  those no longer hold what the model wrote). With `rehydrate="resume"`, the branch resumes from what its nodes still hold (approximate, no
   recomputation: tier tokens are still attended where the tier holds them).
 
 Shapes: B batch rows (all rows share one tree), H KV heads, Hq query heads, n tokens of a node, D head dim.
@@ -56,7 +57,7 @@ from ..prefetch import Prefetcher
 from ..scorers import AccumulatedAttention, Scorer
 from ..seeding import check_seed
 from ..selectors import TopK
-from ..tiers import HostTier, TierStore
+from ..tiers import Evict, HostTier, TierStore
 from ..view import KVComposeError, warn_unused
 from .budget import BudgetMixin
 from .forward import ForwardHooks, ForwardMixin
@@ -74,7 +75,9 @@ def _check_unused(pipeline: Pipeline, attention, interval, active_budget, host_l
                     "on a schedule (inactive nodes are compressed when the tree exceeds budget)", stacklevel=4)
     if host_limit is not None and not tier.holds_tokens:
         warn_unused(f"BranchCache(host_limit={host_limit})", f"the tier {tier!r} holds no tokens", stacklevel=4)
-    if seed and not pipeline.draws_random:
+    # a node that would exceed host_limit is evicted instead (its merger, if any, then draws)
+    draws = pipeline.draws_random or (host_limit is not None and pipeline.replace(Evict(), name=pipeline.name).draws_random)
+    if seed and not draws:
         warn_unused(f"BranchCache(seed={seed})", f"no block of {pipeline!r} draws random numbers", stacklevel=4)
 
 
@@ -178,6 +181,7 @@ class BranchCache(ForwardMixin, BudgetMixin, Cache):
         if active_budget is not None:
             pipeline.validate(active_budget)
         config, self.attention = check_model(model, strict)
+        pipeline.bind_model(model)
         check_budget(active_budget, "active_budget")
         seed = check_seed(seed, "BranchCache(seed=...)")
         _check_unused(pipeline, self.attention, interval, active_budget, host_limit, tier, seed)
@@ -385,13 +389,22 @@ class BranchCache(ForwardMixin, BudgetMixin, Cache):
 
     def close(self) -> None:
         """Remove the forward hooks from the model and give it its previous attention implementation back
-        (both also done when the cache is garbage-collected)."""
+        (both also done when the cache is garbage-collected). The closed cache refuses to decode by name until
+        `bind(model)` opens it again."""
         if self._hooks is not None:  # None: a loaded cache that was never bound
             self._hooks.remove()
+            self._hooks = None
         _attn.release(self)
+        self.kvcompose_closed = True
 
     kvcompose_attention = True  # kvcompose.attention routes calls that carry this cache to its layers
     kvcompose_missed: str | None = None  # set by kvcompose.attention when an update's attention never ran
+    kvcompose_closed = False  # set by close(); cleared by bind(model)
+
+    def _check_usable(self) -> None:
+        _attn.check_open(self, self.model)  # closed, or the model's attention was switched: refused by name
+        if self._hooks is None:
+            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
     is_croppable = False  # crop is refused (branch with fork()); transformers' deferred stop check must not use it
 
     def activate_past_recording(self, *args, **kwargs):
@@ -433,30 +446,36 @@ class BranchCache(ForwardMixin, BudgetMixin, Cache):
 
     def bind(self, model) -> "BranchCache":
         """Attach a cache loaded with pickle / `torch.load` to its model (the one it was built for, or one of the
-        same architecture and weights): kvcompose's attention and the cache's forward hooks. Returns the cache."""
-        if self.model is model and self._hooks is not None:
+        same architecture and weights): kvcompose's attention and the cache's forward hooks; also opens a closed
+        cache again, and switches its model back after `set_attn_implementation()` /
+        `kvcompose.attention.restore()`. Returns the cache."""
+        if self.model is model and self._hooks is not None and not self.kvcompose_closed and _attn.is_installed(model):
             return self
-        if self.model is not None and self._hooks is not None:
+        if self.model is not None and self.model is not model and self._hooks is not None:
             raise KVComposeError("this cache is bound to another model; copy.deepcopy(cache) shares its model")
         config, attention = check_model(model)
         _copying.check_same_model(self, model, config)
+        self.pipeline.bind_model(model)  # a copy holds no weights: its blocks take the model's again
+        if self.model is model:
+            _attn.release(self)  # re-opened: one hold on the model's attention switch, not two
         _attn.install(model, owner=self)
-        self._hooks = ForwardHooks(model, self)
+        if self._hooks is None:
+            self._hooks = ForwardHooks(model, self)
         self.model, self.attention = model, attention
+        self.kvcompose_closed = False
         return self
 
     def update(self, *args, **kwargs):
-        if self._hooks is None:
-            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
+        self._check_usable()
         return super().update(*args, **kwargs)
 
     # -- transformers Cache API -----------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        if self._hooks is None:
-            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
+        self._check_usable()
         return self._seq_length()
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        self._check_usable()  # before the model builds a mask and attends: never a shape error of its attention
         return _attn.expect_mask(self, self.layers[layer_idx].get_mask_sizes(query_length))
 
     def reset(self) -> None:

@@ -154,10 +154,11 @@ class ForwardMixin:
 
     # -- recomputation --------------------------------------------------------------------------------
     def _recompute(self, node: _Node, path: list[_Node]) -> None:
-        """Recompute a node's tokens from the first missing one, from their token ids over the restored path."""
+        """Recompute a node's tokens from the first missing one, from their token ids over the restored path
+        (from its first token when a Merger rewrote the values of the tokens it kept: `node.merged`)."""
         if not node.ids_known:
             raise KVComposeError(f"cannot recompute node {node.id}: its tokens were fed without input_ids")
-        e = node.n
+        e = 0 if getattr(node, "merged", False) else node.n
         for seg in node.segs:
             pos = seg.store.view().positions - node.start
             ar = torch.arange(pos.shape[-1], device=pos.device)

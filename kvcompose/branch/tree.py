@@ -39,6 +39,7 @@ class _Node:
         self.sealed = False
         self.segs = [Segment(self.start) for _ in range(num_layers)]
         self.compressed = False
+        self.merged = False  # a Merger rewrote held values when it compressed this node: recompute it whole
         self.last_used = 0
         if parent is not None:
             parent.children.add(self)
@@ -190,6 +191,16 @@ class BranchLayer(ComposeLayer):
             self.tree.record_padding(torch.ones(query.shape[0], q, dtype=torch.bool, device=self.device)
                                      if mask2d is None else mask2d[:, -q:].to(self.device, torch.bool))
         return super().attend(query, mask2d, scale, sliding_window, **features)
+
+    def row_padding(self, seg: Segment) -> Tensor | None:
+        """`[B]` padding tokens of each row on the path of the node that holds `seg`, up to its end (from the
+        padding flags layer 0 records for every forward; None: none)."""
+        node = next((n for n in self.tree._all_nodes() if n.segs[self.layer_idx] is seg), None)
+        flags = [] if node is None else [v for n in node.path() for v in n.tok_valid]
+        if not flags:
+            return None
+        pad = sum((~v).sum(-1) for v in flags)
+        return pad.to(self.device) if bool(pad.any()) else None
 
     def get_seq_length(self, *args, **kwargs) -> int:
         """Tokens on the active path (held or not): transformers derives positions from it."""

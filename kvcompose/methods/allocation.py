@@ -75,8 +75,8 @@ def reason_alloc(base: Pipeline | None = None, profile: str | os.PathLike | dict
     compression event toward heads of high utility (`HeadUtility`, floor `floor` per head).
 
     `profile="auto"` (default) uses the profile shipped with kvcompose for the model (`kvcompose/profiles/`,
-    SmolLM2-135M-Instruct today): matched by the model's name and config with `model=`, else by its layer
-    and KV-head counts when the cache is built. Without a profile for the model, layers stay uniform and only
+    SmolLM2-135M-Instruct today): matched by the model's name and config with `model=`, else by its
+    architecture fingerprint (`kvcompose.fingerprint`) when the cache is built. Without a profile for the model, layers stay uniform and only
     the head-wise part runs (a warning says so). `profile=None`: head-wise only; a path or dict: that profile.
 
     Example:

@@ -155,6 +155,9 @@ class RewardAllocator(Allocator):
         self.schedule = schedule if schedule is not None else RewardBudgetSchedule(1)
         self.batch: BatchPolicy = batch  # type: ignore[assignment]
         self.uniform = batch != "row"  # per-row budgets: paged storage
+        if batch != "row":
+            self.padded_rows = (f"RewardAllocator(batch={batch!r}) gives every row of the batch the budget of its "
+                                f"{'least' if batch == 'min' else 'most'} confident row")
         self.inner = inner
         self.query_window = 0 if inner is None else int(getattr(inner, "query_window", 0))
         self._fixed: Any = None  # pipeline.fixed_protection, set by bind() (configuration, not state)

@@ -170,22 +170,31 @@ def track(state: dict[str, Any], sizes: dict[str, int]) -> None:
 class TierStore(Block):
     """Base class for where non-kept tokens go (a tier of the memory hierarchy of "Not All Thoughts Need
     HBM"). See the module docstring for the contract. Class attributes: `holds_tokens` (the store keeps
-    tokens that attention must see), `tier_names` (names reported by `nbytes`).
+    tokens that attention must see), `tier_names` (names reported by `nbytes`); property `evicts` (some
+    candidate the selector does not keep may leave for good, which is what a `Merger` folds).
     """
 
     holds_tokens: bool = False
     tier_names: tuple[str, ...] = ()
 
+    @property
+    def evicts(self) -> bool:
+        """True when a non-kept token may leave for good (a store that holds tokens and keeps every one it is
+        given says False)."""
+        return not self.holds_tokens
+
     def init(self, spec: LayerSpec) -> dict[str, Any]:
         return {}
 
-    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int,
+    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int | Int[Tensor, "B 1"],
                  protected: Int[Tensor, "B H"] | None = None) -> Int[Tensor, "B H"]:
         """How many of the `candidates - kept` non-kept candidates of each (row, head) the store keeps
-        (`protected`: protected tokens per head, which a store that keeps tokens never evicts)."""
+        (`candidates`: real tokens; `seen`: the tokens each row has seen, its left padding not counted, or one
+        count for all rows; `protected`: protected tokens per head, which a store that keeps tokens never
+        evicts)."""
         return torch.zeros_like(kept)
 
-    def store(self, state: dict[str, Any], tokens: TierTokens, seen: int, kept: Int[Tensor, "B H"],
+    def store(self, state: dict[str, Any], tokens: TierTokens, seen: int | Int[Tensor, "B 1"], kept: Int[Tensor, "B H"],
               protected: Int[Tensor, "B H"] | None = None) -> dict[str, Any]:
         """The store's new state after receiving `tokens`, the candidates not kept in HBM in priority
         order (protected ones first; `kept[b, h]` candidates stayed in HBM, `protected[b, h]` tokens were

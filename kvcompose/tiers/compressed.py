@@ -133,7 +133,7 @@ class CompressedTier(TierStore):
                 "k_zero": g(parts["k_zero"], gidx), "v_codes": g(parts["v_codes"], sidx),
                 "v_scale": g(parts["v_scale"], sidx), "v_zero": g(parts["v_zero"], sidx)}
 
-    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int,
+    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int | Int[Tensor, "B 1"],
                  protected: Int[Tensor, "B H"] | None = None) -> Int[Tensor, "B H"]:
         return (candidates - kept).clamp(min=0)
 

@@ -20,9 +20,17 @@ from .host import HostTier
 __all__ = ["Hierarchy", "floor_share", "check_ratio"]
 
 
-def floor_share(ratio: float, seen: int) -> int:
-    """`floor(ratio * seen)` (with a tolerance for binary fractions such as 0.1 * 30)."""
+def floor_share(ratio: float, seen: int | Int[Tensor, "*B"]) -> int | Int[Tensor, "*B"]:
+    """`floor(ratio * seen)` (with a tolerance for binary fractions such as 0.1 * 30); elementwise for a tensor of
+    per-row counts."""
+    if isinstance(seen, Tensor):
+        return torch.floor(ratio * seen.double() + 1e-9).long()
     return int((ratio * seen + 1e-9) // 1)
+
+
+def _at_most(x: Tensor, cap: int | Tensor) -> Tensor:
+    """`min(x, cap)` for an int cap (no device tensor made) or a per-row tensor cap."""
+    return x.clamp(max=cap) if isinstance(cap, int) else torch.minimum(x, cap.to(x.device))
 
 
 def check_ratio(x: Any, name: str) -> float:
@@ -61,8 +69,9 @@ class Hierarchy(TierStore):
     HBM holds what the pipeline keeps (its allocator gives the budget; `SeenShare(hbm_ratio, ...)` holds a
     share of the tokens seen, as the paper does). The other candidates arrive in the pipeline's priority
     order and fill, in that order, host memory, then the compressed tier (`floor(compressed_ratio * seen)`
-    tokens), and the last `floor(evict_ratio * seen)` of all candidates are evicted. Shares are of all tokens
-    seen so far by the layer (padding included) and are re-applied at every compression event. The number
+    tokens), and the last `floor(evict_ratio * seen)` of all candidates are evicted. Shares are of the tokens
+    each row has seen so far (its left padding not counted, so a padded row of a batch keeps what the row alone
+    keeps) and are re-applied at every compression event. The number
     evicted depends on `evict_ratio` and `seen` only, and with one ranking so does the evicted set: the HBM
     share changes where a token lives, never what attention computes (host tokens come back exact).
 
@@ -91,24 +100,28 @@ class Hierarchy(TierStore):
         self.host = host if host is not None else HostTier()
         self.compressed = compressed if compressed is not None else CompressedTier(bits=8)
 
-    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int,
+    @property
+    def evicts(self) -> bool:  # type: ignore[override]
+        return self.evict_ratio > 0
+
+    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int | Int[Tensor, "B 1"],
                  protected: Int[Tensor, "B H"] | None = None) -> Int[Tensor, "B H"]:
         keep_total = seen - floor_share(self.evict_ratio, seen)
-        out = (candidates.clamp(max=keep_total) - kept).clamp(min=0)
+        out = (_at_most(candidates, keep_total) - kept).clamp(min=0)
         if protected is not None:  # protected tokens are never evicted: fewer go than the share asks
             out = torch.maximum(out, (protected - kept).clamp(min=0))
         return out
 
-    def split(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int,
+    def split(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int | Int[Tensor, "B 1"],
               protected: Int[Tensor, "B H"] | None = None) -> tuple[Int[Tensor, "B H"], Int[Tensor, "B H"]]:
         """`(host, compressed)` counts of the non-kept candidates of each (row, head); the rest is evicted."""
         retain = self.retained(candidates, kept, seen, protected)
-        n_comp = retain.clamp(max=floor_share(self.compressed_ratio, seen))
+        n_comp = _at_most(retain, floor_share(self.compressed_ratio, seen))
         return retain - n_comp, n_comp
 
     def store(self, state, tokens, seen, kept, protected=None):
         state = dict(state)
-        real = (tokens.positions < FAR_POSITION).sum(-1)
+        real = tokens.valid.sum(-1)  # the candidates' real tokens: left padding never counts in the shares
         n_host, n_comp = self.split(kept + real, kept, seen, protected)
         hh = hc = None
         hk, hp = host_of(kept), host_of(protected)
@@ -127,6 +140,10 @@ class Hierarchy(TierStore):
                     a = c = None
             if a is not None:
                 hh, hc = a.numpy(), c.numpy()
+        # padding slots come last in the priority order: when every real token is retained they stay too (as
+        # HostTier keeps them), so a hierarchy that evicts nothing attends exactly the slots HBM alone would
+        pad = torch.where(n_host + n_comp == real, (tokens.positions < FAR_POSITION).sum(-1) - real, 0)
+        n_host, n_comp = n_host + torch.where(n_comp > 0, 0, pad), n_comp + torch.where(n_comp > 0, pad, 0)
         zero = torch.zeros_like(n_host)
         state["host"] = self.host.store(state.get("host", {}), _slice(tokens, zero, n_host, hh), seen, kept)
         state["compressed"] = self.compressed.store(state.get("compressed", {}),

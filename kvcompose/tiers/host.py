@@ -42,7 +42,7 @@ class HostTier(TierStore):
         self.device = resolve_device(device, "HostTier")
         self.copy_thread = bool(copy_thread)
 
-    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int,
+    def retained(self, candidates: Int[Tensor, "B H"], kept: Int[Tensor, "B H"], seen: int | Int[Tensor, "B 1"],
                  protected: Int[Tensor, "B H"] | None = None) -> Int[Tensor, "B H"]:
         return (candidates - kept).clamp(min=0)
 
