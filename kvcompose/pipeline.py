@@ -422,9 +422,9 @@ class Pipeline:
         lo_row = None if lo is None else (lo.min(-1) if lo.size else np.zeros(len(row_min), dtype=np.int64))
         if lo_row is None or any(bd > int(lr) for bd, lr in zip(bounds, lo_row)):
             where = "" if limit is per_head else " plus what the tier keeps"
-            check_later(n_prot > limit, lambda: (
-                f"protected tokens do not fit in a budget of {bmin}{where} (layer {view.layer_idx}): raise the "
-                "budget or protect fewer tokens"))
+            check_later(n_prot > limit, lambda: (  # called only on failure: its reads cost nothing otherwise
+                f"{int(n_prot.max())} protected tokens do not fit in a budget of {bmin}{where} (layer "
+                f"{view.layer_idx}): raise the budget or protect fewer tokens"))
         n_prot.max_host = bound  # an upper bound on every head's count, for the tier (no host read)
         hints = {}
         if _takes_hints(type(self.selector)):  # the selection takes the host budgets: no host sync

@@ -88,7 +88,7 @@ def test_sample_prefers_high_scores():
 def test_pipeline_rejects_overfull_protection():
     # the pipeline (not the selector) refuses protected tokens beyond the budget when no tier keeps them
     view = random_view(b=1, h=1, t=20, seen=20, prompt=20)
-    with pytest.raises(KVComposeError, match="protected tokens do not fit"):
+    with pytest.raises(KVComposeError, match="12 protected tokens do not fit in a budget of 10"):
         Pipeline(ProtectSinks(4), ProtectRecent(8), ValueNorm(), TopK()).select(view, 10)
 
 
