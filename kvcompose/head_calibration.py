@@ -72,9 +72,13 @@ def calibrate_heads(model, prompts: list[Tensor] | list[list[int]], traces: list
 
     Args:
         model: a Hugging Face causal LM supported by `KVComposeCache`.
-        prompts, traces: token ids of each prompt and its continuation (held-out questions).
+        prompts: token ids of each prompt (held-out questions).
+        traces: token ids of each prompt's continuation (one per prompt).
         kind: "duo" (DuoHeads' `head_scores`) or "lukv" (HeadCurves' `prune` curves).
-        sinks, recent: the streaming window that "duo" measures against.
+        sinks: the sink tokens of the streaming window that "duo" measures against.
+        recent: the recent tokens of that streaming window.
+        path: where to write the profile as JSON (None: not written).
+        query_chunk: queries per forward of the measurement (memory, not results).
         window: the decoding queries whose attention "lukv" sorts (the last `window` of each trace).
 
     Returns:
