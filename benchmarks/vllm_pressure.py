@@ -62,14 +62,19 @@ def load_questions(data: str | None, n: int) -> list[dict[str, Any]]:
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             recs = [json.loads(line) for line in f if line.strip()][:n]
-    else:
+    elif path.endswith((".jsonl", ".json")) or path.startswith((".", os.sep)):
+        raise SystemExit(f"--data {path!r}: no such file")
+    else:  # a dataset name, e.g. openai/gsm8k (config `main`) or openai/gsm8k:socratic
         try:
             import datasets
         except ImportError:
             raise SystemExit(f"--data {path!r}: no such file, and the `datasets` package (to load it by name) "
                              "is not installed") from None
         name, _, config = path.partition(":")
-        recs = list(datasets.load_dataset(name, config or "main", split="test").select(range(n)))
+        try:
+            recs = list(datasets.load_dataset(name, config or "main", split="test").select(range(n)))
+        except Exception as e:  # noqa: BLE001 - any failure to load is the user's to see, with the name
+            raise SystemExit(f"--data {path!r}: could not load it as a datasets name ({type(e).__name__}: {e})") from e
     if len(recs) < n:
         raise SystemExit(f"--prompts {n}: {path} has only {len(recs)} questions")
     return [{"question": r["question"], "answer": r.get("answer") or ""} for r in recs]
