@@ -187,3 +187,39 @@ def test_tiny_run_reports_what_the_engines_measured(bench, tiny_model, tmp_path)
 
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)  # resumable: nothing reruns
     assert again.returncode == 0 and again.stdout.count("done before") == 4 and " start (load" not in again.stdout
+
+
+# ------------------------------------------------------------------------------ the GPU model (not a run)
+@pytest.fixture(scope="module")
+def gpu():
+    spec = importlib.util.spec_from_file_location("vllm_gpu_model", os.path.join(ROOT, "benchmarks", "vllm_gpu_model.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["vllm_gpu_model"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_model_decode_step_is_memory_bound_until_the_gemms_are_not(gpu):
+    m, g, p = gpu.MODELS["qwen2.5-7b"], gpu.GPUS["H200"], gpu.Params()
+    assert m.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2  # 56 KiB
+    one, many = gpu.step_ms(m, g, 8, 300, p), gpu.step_ms(m, g, 64, 300, p)
+    assert many / one < 1.1  # 8x the requests, hardly a longer step: the weights dominate what is read
+    weights_ms = 1000 * m.weight_bytes / (g.bw_tbs * 1e12 * p.bw_eff) + p.overhead_ms
+    assert one == pytest.approx(weights_ms + 1000 * 8 * 300 * m.kv_bytes_per_token / (g.bw_tbs * 1e12 * p.bw_eff))
+    big = gpu.step_ms(m, g, 1024, 300, p)  # the GEMMs' FLOPs take over
+    assert big >= 1000 * 1024 * 2 * m.params / (g.bf16_tflops * 1e12 * p.flops_eff)
+
+
+def test_gpu_model_scenario_ratios_follow_the_pool(gpu):
+    p = gpu.Params()
+    r = gpu.scenario("qwen2.5-7b", "H200", 64, 2048, "8 plain", 256, p)
+    held = 256 + p.interval + p.block
+    assert r["pool_tokens"] == 8 * 2160  # 8 x (100 + 2048) rounded up to blocks of 16
+    assert r["plain"]["running"] == 8 and r["kvcompose"]["running"] == r["pool_tokens"] // held
+    assert r["x running"] == pytest.approx(r["kvcompose"]["running"] / 8)
+    assert r["x tokens/s"] == pytest.approx(r["kvcompose"]["tokens_per_s"] / r["plain"]["tokens_per_s"])
+    assert r["x tokens/s"] > 0.9 * r["x running"]  # on a GPU the concurrency is (almost) all tokens/s
+    free = gpu.scenario("qwen2.5-7b", "H200", 64, 2048, "8 plain", 256, gpu.Params(event_share=0.0))
+    assert r["kvcompose"]["step_ms"] == pytest.approx(free["kvcompose"]["step_ms"] / 0.95)
+    with pytest.raises(ValueError, match="holds no request"):
+        gpu.scenario("qwen2.5-7b", "H200", 64, 2048, 100, 256, p)
