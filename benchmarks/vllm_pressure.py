@@ -24,8 +24,8 @@ Modes:
 Both engines are measured the same way, by vLLM's own per-step statistics (`disable_log_stats=False`,
 `enable_logging_iteration_details=True`, read in the front end): per engine step, the requests that produced a
 token, the requests scheduled, and the preemptions. Reported per run: requests producing a token per step (mean
-= generated tokens / steps, and peak) beside the pool's ceiling (pool blocks / the most blocks one request
-holds: a plain request at full length, or a compressed one at `budget + interval + one block`), engine steps,
+= generated tokens / steps, and peak) beside the pool's ceiling (the pool's usable blocks / the most blocks one
+request holds: a plain request at full length, or a compressed one at `budget + interval + one block`), engine steps,
 wall time per step, tokens/s (generated tokens / wall time of the generate call), time to finish, preemptions,
 and each one's ratio to plain; kvcompose's share of the worker's step time (events + bookkeeping).
 
@@ -107,11 +107,12 @@ def compressed_blocks(budget: int, interval: int) -> int:
 
 
 def pool_blocks(prompt_lens: list[int], tokens: int, mode: str, plain_requests: int) -> int:
-    """The KV pool of a mode: `plain_requests` plain requests of the longest prompt at full length (pressure,
-    agree), or every request at full length (ample)."""
+    """The KV pool of a mode (`num_gpu_blocks_override`): `plain_requests` plain requests of the longest prompt
+    at full length (pressure, agree), or every request at full length (ample), plus the one block vLLM keeps
+    as its null block."""
     if mode == "ample":
-        return sum(full_blocks(p, tokens) for p in prompt_lens)
-    return plain_requests * full_blocks(max(prompt_lens), tokens)
+        return sum(full_blocks(p, tokens) for p in prompt_lens) + 1
+    return plain_requests * full_blocks(max(prompt_lens), tokens) + 1
 
 
 # ------------------------------------------------------------------------------------ measuring an engine
@@ -267,7 +268,7 @@ def rows(plain: dict[str, Any], kvc: dict[str, Any] | None) -> list[dict[str, An
         row = {"run": "plain vLLM" if engine == "plain" else f"{r['preset']} {r['budget']}",
                "preset": r["preset"], "budget": r["budget"], "interval": r["interval"],
                "producing mean": s["producing_mean"], "producing peak": s["producing_peak"],
-               "ceiling": pool / held, "steps": s["steps"],
+               "ceiling": (pool - 1) / held, "steps": s["steps"],  # (vLLM's null block holds nothing)
                "ms/step": 1000.0 * r["seconds"] / s["steps"] if s["steps"] else None,
                "tok/s": r["generated_tokens"] / r["seconds"], "seconds": r["seconds"],
                "preemptions": s["preemptions"], "load": r["loadavg_after"][0],

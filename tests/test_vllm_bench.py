@@ -35,13 +35,14 @@ def test_pools_and_ceilings(bench):
     lens = [40, 100]
     assert bench.full_blocks(100, 92) == 6  # 192 tokens
     assert bench.full_blocks(100, 93) == 7
-    assert bench.pool_blocks(lens, 92, "pressure", 8) == 8 * 6  # 8 of the LONGEST prompt at full length
-    assert bench.pool_blocks(lens, 92, "agree", 8) == 8 * 6
-    assert bench.pool_blocks(lens, 92, "ample", 8) == 5 + 6  # every request
+    # 8 of the LONGEST prompt at full length, and vLLM's null block
+    assert bench.pool_blocks(lens, 92, "pressure", 8) == 8 * 6 + 1
+    assert bench.pool_blocks(lens, 92, "agree", 8) == 8 * 6 + 1
+    assert bench.pool_blocks(lens, 92, "ample", 8) == 5 + 6 + 1  # every request
     assert bench.compressed_blocks(256, 64) == 8 + 2 + 1
 
 
-def _part(engine, mode, runs, pool=48, tokens=92):
+def _part(engine, mode, runs, pool=49, tokens=92):
     return {"mode": mode, "tokens": tokens, "engine": engine, "pool_blocks": pool, "block_size": 32,
             "prompt_tokens": [40, 100], "gold": ["1", "3"], "plain_requests": 8, "dtype": "bfloat16",
             "model": "m", "versions": {}, "loadavg_start": [1.0] * 3, "loadavg_end": [2.0] * 3, "runs": runs}
@@ -126,17 +127,8 @@ def tiny_model(tmp_path_factory):
     return path
 
 
-def test_tiny_run_reports_what_the_engines_measured(bench, tiny_model, tmp_path):
-    pytest.importorskip("vllm")
-    out = str(tmp_path / "out")
-    cmd = [sys.executable, _PATH, "--model", tiny_model, "--dtype", "float32", "--data", QUESTIONS, "--out", out,
-           "--modes", "pressure", "ample", "agree", "--tokens", "128", "--budgets", "64", "--interval", "32",
-           "--presets", "random_attention", "snapkv", "--prompts", "4", "--plain-requests", "2"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "start: load average" in proc.stdout and "end: load average" in proc.stdout
-
+def check_report(bench, out: str) -> None:
+    """The report of the tiny run, checked against what the engines measured."""
     tables = bench.report(out)
     assert sorted(tables) == ["agree_128", "ample_128", "pressure_128"]
     for stem, rows in tables.items():
@@ -146,8 +138,8 @@ def test_tiny_run_reports_what_the_engines_measured(bench, tiny_model, tmp_path)
         assert plain["pool_blocks"] == kvc["pool_blocks"]
         mode = plain["mode"]
         lens = plain["prompt_tokens"]
-        want_pool = (sum(-(-(n + 128) // 32) for n in lens) if mode == "ample"
-                     else 2 * -(-(max(lens) + 128) // 32))
+        want_pool = 1 + (sum(-(-(n + 128) // 32) for n in lens) if mode == "ample"
+                         else 2 * -(-(max(lens) + 128) // 32))
         assert plain["pool_blocks"] == want_pool
         runs = plain["runs"] + kvc["runs"]
         assert [r["run"] for r in rows] == ["plain vLLM", "random_attention 64", "snapkv 64"]
@@ -171,9 +163,9 @@ def test_tiny_run_reports_what_the_engines_measured(bench, tiny_model, tmp_path)
                 assert st["request_steps"] == s["produced_tokens"]
                 assert st["events"] > 0 and row["events"] == st["events"]
                 assert 0 < row["kvcompose share"] < 1
-                assert row["ceiling"] == pytest.approx(plain["pool_blocks"] / (2 + 1 + 1))
+                assert row["ceiling"] == pytest.approx((plain["pool_blocks"] - 1) / (2 + 1 + 1))
             else:
-                assert row["ceiling"] == pytest.approx(plain["pool_blocks"] / -(-(max(lens) + 128) // 32))
+                assert row["ceiling"] == pytest.approx((plain["pool_blocks"] - 1) / -(-(max(lens) + 128) // 32))
         if mode == "pressure":  # the pool holds 2 plain requests: plain is preempted, kvcompose runs more at once
             assert rows[0]["preemptions"] > 0
             assert all(r["producing mean"] > rows[0]["producing mean"] for r in rows[1:])
@@ -185,6 +177,19 @@ def test_tiny_run_reports_what_the_engines_measured(bench, tiny_model, tmp_path)
         md = f.read()
     assert md.count("| plain vLLM |") == 3 and "### ample, prompt + 128 tokens" in md
 
+
+def test_tiny_run_reports_what_the_engines_measured(bench, tiny_model, tmp_path):
+    pytest.importorskip("vllm")
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, _PATH, "--model", tiny_model, "--dtype", "float32", "--data", QUESTIONS, "--out", out,
+           "--modes", "pressure", "ample", "agree", "--tokens", "128", "--budgets", "64", "--interval", "32",
+           "--presets", "random_attention", "snapkv", "--prompts", "4", "--plain-requests", "2"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "start: load average" in proc.stdout and "end: load average" in proc.stdout
+
+    check_report(bench, out)
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)  # resumable: nothing reruns
     assert again.returncode == 0 and again.stdout.count("done before") == 4 and " start (load" not in again.stdout
 
