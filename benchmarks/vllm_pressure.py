@@ -194,7 +194,8 @@ def run_engine(args, modes: list[str], tokens: int, engine: str) -> dict[str, di
     pool = pools.pop()
     kw: dict[str, Any] = dict(model=args.model, dtype=args.dtype, enforce_eager=True, seed=0,
                               max_model_len=max(lens) + tokens + BLOCK, max_num_seqs=len(prompts),
-                              num_gpu_blocks_override=pool, kv_cache_memory_bytes=_kv_bytes(args.model, args.dtype, pool),
+                              num_gpu_blocks_override=pool,
+                              kv_cache_memory_bytes=_kv_bytes(args.model, args.dtype, pool),
                               block_size=BLOCK, enable_prefix_caching=False, async_scheduling=False,
                               disable_log_stats=False, enable_logging_iteration_details=True)
     if engine == "kvcompose":
@@ -239,7 +240,8 @@ def run_engine(args, modes: list[str], tokens: int, engine: str) -> dict[str, di
         parts[mode] = {"mode": mode, "tokens": tokens, "engine": engine, "pool_blocks": pool, "block_size": BLOCK,
                        "prompt_tokens": lens, "gold": gold, "plain_requests": args.plain_requests,
                        "dtype": args.dtype, "model": os.path.basename(os.path.normpath(args.model)),
-                       "versions": versions, "settings": _settings(args), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+                       "versions": versions, "settings": _settings(args), "loadavg_start": load_start,
+                       "loadavg_end": os.getloadavg(),
                        "runs": runs}
         load_start = parts[mode]["loadavg_end"]
     return parts
@@ -363,7 +365,8 @@ def report(out_dir: str) -> dict[str, list[dict[str, Any]]]:
 # ---------------------------------------------------------------------------------------------- the grid
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="runs/vllm/smollm2-bf16", help="HF model folder (the default is made if missing)")
+    ap.add_argument("--model", default="runs/vllm/smollm2-bf16",
+                    help="HF model folder (the default is made if missing)")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES))
     ap.add_argument("--data", default=None, help="GSM8K test.jsonl (default $KVCOMPOSE_GSM8K), or a datasets name")
     ap.add_argument("--out", default="runs/vllm/vs_plain")
@@ -373,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--interval", type=int, default=64, help="decoded tokens between events (whole blocks)")
     ap.add_argument("--presets", nargs="+", default=PRESETS)
     ap.add_argument("--prompts", type=int, default=64, help="questions submitted at once")
-    ap.add_argument("--plain-requests", type=int, default=8, help="plain requests at full length the pressure pool holds")
+    ap.add_argument("--plain-requests", type=int, default=8,
+                    help="plain requests at full length the pressure pool holds")
     ap.add_argument("--only", nargs="+", metavar="ENGINE TOKENS MODE", default=None,
                     help="run one engine (plain or kvcompose) for modes that share a pool, in this process (internal)")
     ap.add_argument("--report", action="store_true", help="print the tables of --out and stop")

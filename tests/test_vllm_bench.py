@@ -111,6 +111,7 @@ def test_budgets_must_be_whole_blocks(bench):
 def tiny_model(tmp_path_factory):
     """A tiny random Llama (float32) with SmolLM2's tokenizer and chat template, so that the benchmark's
     prompts are the real questions' token ids."""
+    pytest.importorskip("vllm")
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -197,7 +198,8 @@ def test_tiny_run_reports_what_the_engines_measured(bench, tiny_model, tmp_path)
 # ------------------------------------------------------------------------------ the GPU model (not a run)
 @pytest.fixture(scope="module")
 def gpu():
-    spec = importlib.util.spec_from_file_location("vllm_gpu_model", os.path.join(ROOT, "benchmarks", "vllm_gpu_model.py"))
+    path = os.path.join(ROOT, "benchmarks", "vllm_gpu_model.py")
+    spec = importlib.util.spec_from_file_location("vllm_gpu_model", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["vllm_gpu_model"] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
