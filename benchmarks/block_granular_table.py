@@ -57,7 +57,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from kvcompose import KVComposeCache, KVComposeError  # noqa: E402
 from kvcompose.bench.data import default_data_path, load_questions  # noqa: E402
 from kvcompose.bench.fidelity import evaluate_trace  # noqa: E402
-from kvcompose.bench.run import load_model, make_pipeline, select_questions, versions  # noqa: E402
+from kvcompose.bench.run import load_model, select_questions, versions  # noqa: E402
+from kvcompose.methods import preset  # noqa: E402
 from kvcompose.bench.traces import RepetitionGuard, Trace, make_traces  # noqa: E402
 from kvcompose.paged_blocks import RequestEvent, block_granular, request_pipeline  # noqa: E402
 from kvcompose.pipeline import Pipeline  # noqa: E402
@@ -84,13 +85,13 @@ LABELS = {"token": "token", "head-mean": "block/head", "layer-mean": "block/laye
 
 
 def build_pipeline(method: str, budget: int, variant: str, block: int) -> Pipeline:
-    """The preset at the fidelity bench's settings (`make_pipeline`), token-granular or wrapped in
+    """The preset at the fidelity bench's settings (`methods.preset(name, budget=...)`), token-granular or wrapped in
     `BlockGranular` for a block variant (`kvcompose.paged_blocks.block_granular`). VaSE's block variants
     also protect by blocks (`BlockProtectValueNorm`); "vase-tokenprot" keeps VaSE's token protector inside
     the block selector."""
     if variant not in VARIANTS:
         raise KVComposeError(f"unknown variant {variant!r}; variants: {', '.join(VARIANTS)}")
-    base = make_pipeline("vase" if method == "vase-tokenprot" else method, budget)
+    base = preset("vase" if method == "vase-tokenprot" else method, budget=budget)
     spec = VARIANTS[variant]
     if spec is None:
         return base
@@ -105,7 +106,7 @@ def build_request_pipeline(method: str, budget: int, block: int, scope: str = "r
     """(pipeline, event) of the request-wide variant (`kvcompose.paged_blocks.request_pipeline`);
     `scope="layer"` is the harness check. `interval`: decoded tokens between events (default the preset's,
     else 64, as `KVComposeCache`)."""
-    base = make_pipeline("vase" if method == "vase-tokenprot" else method, budget)
+    base = preset("vase" if method == "vase-tokenprot" else method, budget=budget)
     return request_pipeline(base, budget, block, scope, interval, block_protection=method == "vase")
 
 

@@ -273,15 +273,15 @@ def generate(args) -> int:
     import torch
 
     from .bench.metrics import extract_answer, gsm8k_answer
-    from .bench.run import load_model, make_pipeline
+    from .bench.run import load_model
     from .cache import KVComposeCache
-    from .methods import full
+    from .methods import full, preset
     from .models import chat_inputs
 
     if args.threads:
         torch.set_num_threads(args.threads)
     q = _question(args)
-    pipe = make_pipeline(args.method, args.budget)
+    pipe = preset(args.method, budget=args.budget)
     pipe.validate(args.budget)
     print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", file=sys.stderr)
     model, tok = load_model(args.model, args.dtype, args.device)
@@ -463,12 +463,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "calibrate":
             return calibrate(args)
         if args.command == "methods":
-            from .bench.run import make_pipeline
-            from .methods import PRESETS
+            from .methods import PRESETS, preset
 
             for name, fn in PRESETS.items():
                 doc = (fn.__doc__ or "").strip().splitlines()[0]
-                print(f"{name:18} {make_pipeline(name, None)!r}\n{'':18} {doc}")
+                print(f"{name:18} {preset(name)!r}\n{'':18} {doc}")
             from .methods import NEEDS_MODEL, NEEDS_PROFILE, PORTED
 
             print("\nported from kvpress (Python: methods.preset(name, model=...); docs/methods.md):")

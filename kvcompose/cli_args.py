@@ -333,11 +333,10 @@ def _methods_fit(names: list[str] | None, budget: int) -> None:
     """Every method of a benchmark must work at its budget (its protectors fit): a method that cannot is refused
     before the model loads, instead of a report without it."""
     from . import methods as _methods
-    from .bench.common import make_pipeline
     from .view import KVComposeError
 
     for name in names if names is not None else [m for m in _methods.PRESETS if m != "full"]:
-        pipe = make_pipeline(name, budget)
+        pipe = _methods.preset(name, budget=budget)
         try:
             pipe.validate(budget)
         except KVComposeError as e:

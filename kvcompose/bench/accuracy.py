@@ -339,19 +339,19 @@ def generate_batch(model, tok, questions: list[str], cache, max_new_tokens: int,
 def _make_cache(model, method: str, budget: int | None, cfg: AccuracyConfig, sample: int):
     from .. import methods as _methods
     from ..cache import KVComposeCache
-    from .common import make_pipeline
+    from ..methods import preset
 
     kw: dict[str, Any] = {"seed": cfg.seed * 1_000_003 + sample}
     if method == "full":
         return KVComposeCache(model, _methods.full(), **kw)
     if cfg.interval is not None:  # otherwise the preset's own default interval
         kw["interval"] = cfg.interval
-    return KVComposeCache(model, make_pipeline(method, budget), budget=budget, **kw)
+    return KVComposeCache(model, preset(method, budget=budget), budget=budget, **kw)
 
 
 def _validate(cfg: AccuracyConfig) -> list[tuple[str, int | None]]:
     from .. import methods as _methods
-    from .common import make_pipeline
+    from ..methods import preset
 
     for name in ("samples", "max_new_tokens", "batch_size"):
         v = getattr(cfg, name)
@@ -380,7 +380,7 @@ def _validate(cfg: AccuracyConfig) -> list[tuple[str, int | None]]:
         if not isinstance(b, int) or b <= 0:
             raise KVComposeError(f"budgets must be positive integers, got {b!r}")
         for m in compressing:
-            make_pipeline(m, b).validate(b)
+            preset(m, budget=b).validate(b)
     runs: list[tuple[str, int | None]] = [("full", None)] if "full" in cfg.methods else []
     return runs + [(m, b) for m in compressing for b in cfg.budgets]
 
