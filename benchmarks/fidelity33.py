@@ -213,7 +213,7 @@ class Plan:
         a, root, py = self.a, self.root, self.a.python
         calib_ex = root / "calibration_questions.json"
         if not calib_ex.exists() and self.data:  # the calibration's questions, kept out of every prompt set
-            from kvcompose.bench.data import load_questions
+            from kvcompose.data import load_questions
 
             root.mkdir(parents=True, exist_ok=True)
             qs = load_questions(self.data, len(CALIB_LINES), CALIB_LINES[0])

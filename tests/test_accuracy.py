@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcompose import KVComposeError, cli, methods
+from kvcompose import KVComposeError, methods
+from kvcompose.bench import cli
 from kvcompose.bench import accuracy as acc
 from kvcompose.testing import save_tiny_chat_model
 
@@ -199,7 +200,7 @@ def test_accelerate_two_processes_equal_one(tiny_dir, questions, tmp_path):
     # `--multi_gpu` is accelerate's multi-process (torchrun) launcher; with no GPU, kvcompose picks gloo on CPU
     two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                          "-m", "kvcompose.cli", *args, "--out", str(tmp_path / "two")],
+                          "-m", "kvcompose.bench.cli", *args, "--out", str(tmp_path / "two")],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "over 2 process(es)" in two.stdout

@@ -31,7 +31,7 @@ from kvcompose.blocks import (
     HeadCurves, KeyDiff, LagKV, LeverageScore, MergeSimilar, NonCausalAttention, OutputProjection, Rotary,
 )
 from kvcompose.methods.reco import RewardAllocator
-from kvcompose.paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent, RequestSchedule, VotingValueProtect
+from kvcompose.bench.paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent, RequestSchedule, VotingValueProtect
 from kvcompose.reco.eviction import Lexicographic, StepReplay, StepRewardScore
 from kvcompose.seeding import derived_seed
 from zoo import PORTED, PRESETS, variant

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvcompose import cli
+from kvcompose.bench import cli  # the `kvcompose` script: library commands + bench
 from kvcompose.bench import run as bench_run
 from kvcompose.testing import save_tiny_chat_model
 

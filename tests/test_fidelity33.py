@@ -91,7 +91,9 @@ def test_profiled_presets_run_in_the_bench(tiny_dir, questions, tmp_path, monkey
     $KVCOMPOSE_DUO_PROFILE / $KVCOMPOSE_LUKV_CURVES, run as bench methods; without the file, a clear error."""
     import profiled
 
-    from kvcompose import KVComposeError, cli
+    from kvcompose import KVComposeError
+
+    from kvcompose.bench import cli
 
     with pytest.raises(KVComposeError, match="KVCOMPOSE_DUO_PROFILE"):
         monkeypatch.delenv("KVCOMPOSE_DUO_PROFILE", raising=False)

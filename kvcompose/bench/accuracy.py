@@ -420,11 +420,11 @@ def run_accuracy(cfg: AccuracyConfig, log=print, loader=None) -> dict[str, Any] 
 
     Args:
         cfg: the settings.
-        loader: a fake hub loader for tests (see `kvcompose.bench.data.load_hf_dataset`).
+        loader: a fake hub loader for tests (see `kvcompose.data.load_hf_dataset`).
     """
     from tqdm.auto import tqdm
 
-    from .data import resolve_questions
+    from ..data import resolve_questions
     from .grading import grade
 
     runs = _validate(cfg)

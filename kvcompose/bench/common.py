@@ -6,10 +6,8 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 
-import torch
-
 from .. import methods as _methods
-from ..view import KVComposeError
+from ..models import _DTYPES, load_model  # noqa: F401  (one copy, in the library)
 
 __all__ = ["versions", "load_model", "COMPRESSING"]
 
@@ -30,16 +28,3 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def load_model(model: str | None = None, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer): the default SmolLM2-135M-Instruct GGUF, or any Hugging Face model path/name."""
-    from ..models import load_default_model
-
-    if dtype not in _DTYPES:
-        raise KVComposeError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    m, tok = load_default_model(model, dtype=_DTYPES[dtype])
-    m = m.to(device)
-    return m, tok

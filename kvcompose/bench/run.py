@@ -21,10 +21,10 @@ from ..cache import KVComposeCache
 from ..view import KVComposeError
 from . import report
 from .common import _DTYPES, COMPRESSING, load_model, versions  # noqa: F401
-from .data import default_data_path, load_questions, resolve_questions
+from ..data import default_data_path, load_questions, resolve_questions
 from .cells import _cell_path, _load_scores, _read_cell, _save_scores, references_for  # noqa: F401
 from .fidelity import FidelityResult, evaluate_trace, free_generation
-from .traces import RepetitionGuard, Trace, make_traces, prompt_ids
+from ..traces import RepetitionGuard, Trace, make_traces, prompt_ids
 
 __all__ = ["FidelityConfig", "run_fidelity", "select_questions", "load_model",
            "default_data_path", "versions", "render"]

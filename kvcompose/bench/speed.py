@@ -109,7 +109,7 @@ def run_speed(cfg: SpeedConfig, log=print) -> dict[str, Any]:
     `speed.md` and `speed.png` to `cfg.out` and returns the JSON-ready dict."""
     from .. import methods as _methods
     from ..models import chat_inputs
-    from .data import demo_question
+    from ..data import demo_question
     from .common import load_model, versions
 
     if cfg.methods is None:

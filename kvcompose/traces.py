@@ -1,6 +1,6 @@
 """Reference traces of the fidelity benchmark: the full cache's own continuations (sampled or greedy) or
 worked GSM8K solutions, each with its chat prompt and a prompt-recall probe. See `kvcompose.bench.fidelity`
-for the protocol; questions come from `kvcompose.bench.data`.
+for the protocol; questions come from `kvcompose.data`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..view import KVComposeError
+from .view import KVComposeError
 
 __all__ = ["Trace", "RepetitionGuard", "make_traces", "recall_ids", "prompt_ids", "RECALL_INSTRUCTION"]
 

@@ -36,14 +36,14 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from .allocators import Uniform
-from .block import require_role
-from .compat import forward_cache
-from .kernels.ref import sums_by_index
-from .pipeline import Pipeline
-from .protectors import ProtectValueNorm, resolve_count
-from .selectors import BlockGranular
-from .view import KVComposeError, LayerView
+from ..allocators import Uniform
+from ..block import require_role
+from ..compat import forward_cache
+from ..kernels.ref import sums_by_index
+from ..pipeline import Pipeline
+from ..protectors import ProtectValueNorm, resolve_count
+from ..selectors import BlockGranular
+from ..view import KVComposeError, LayerView
 
 __all__ = ["BlockProtectValueNorm", "RequestEvent", "RequestBlocks", "VotingValueProtect", "RequestSchedule",
            "block_granular", "request_pipeline"]
