@@ -14,17 +14,11 @@ import torch
 from kvcompose import KVComposeError, methods
 from kvcompose.bench import cli
 from kvcompose.bench import accuracy as acc
-from kvcompose.testing import save_tiny_chat_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")

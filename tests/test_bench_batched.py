@@ -113,13 +113,6 @@ def test_batch_refuses_unequal_traces():
 
 # ------------------------------------------------------------------------------ the CLI: batches, resume, held out
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from kvcompose.testing import save_tiny_chat_model
-
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
 def grouped_questions(tmp_path_factory):
     """Ten questions, character-tokenized: three of 31 characters, three of 40, four of 34 (lengths repeat)."""
     import json

@@ -14,13 +14,6 @@ import fidelity33  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from kvcompose.testing import save_tiny_chat_model
-
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
 def questions(tmp_path_factory):
     """Nine character-tokenized questions, three of each of three lengths."""
     qs = [f"Ann has {i} red pens. How many?" for i in range(3)] + \

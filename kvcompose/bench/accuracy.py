@@ -340,8 +340,9 @@ def _make_cache(model, method: str, budget: int | None, cfg: AccuracyConfig, sam
     from .. import methods as _methods
     from ..cache import KVComposeCache
     from ..methods import preset
+    from ..seeding import derived_seed
 
-    kw: dict[str, Any] = {"seed": cfg.seed * 1_000_003 + sample}
+    kw: dict[str, Any] = {"seed": derived_seed(cfg.seed, sample)}
     if method == "full":
         return KVComposeCache(model, _methods.full(), **kw)
     if cfg.interval is not None:  # otherwise the preset's own default interval
@@ -352,6 +353,7 @@ def _make_cache(model, method: str, budget: int | None, cfg: AccuracyConfig, sam
 def _validate(cfg: AccuracyConfig) -> list[tuple[str, int | None]]:
     from .. import methods as _methods
     from ..methods import preset
+    from ..seeding import derived_seed
 
     for name in ("samples", "max_new_tokens", "batch_size"):
         v = getattr(cfg, name)
