@@ -268,10 +268,11 @@ class RequestBlocks(BlockGranular):
             raise KVComposeError(f"RequestBlocks: block {block} differs from the event's {event.block}")
         self.event = event
 
-    def __call__(self, scores, protected, valid, budget, generator=None, need_order=False, positions=None):
+    def choose(self, scores, protected, valid, budget, generator=None, need_order=False, positions=None, *,
+               host_budget=None, may_overflow=True):
         ev = self.event
         if ev.mode == "layer":
-            return super().__call__(scores, protected, valid, budget, generator, need_order, positions)
+            return super().choose(scores, protected, valid, budget, generator, need_order, positions)
         if ev.mode not in ("record", "apply") or need_order:
             raise KVComposeError("RequestBlocks runs only inside a RequestEvent, with an evicting tier")
         if positions is None:
