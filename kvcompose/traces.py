@@ -1,4 +1,4 @@
-"""Reference traces of the fidelity benchmark: the full cache's own continuations (sampled or greedy) or
+"""Reference traces (library: the fidelity benchmark and calibration read them): the full cache's own continuations (sampled or greedy) or
 worked GSM8K solutions, each with its chat prompt and a prompt-recall probe. See `kvcompose.bench.fidelity`
 for the protocol; questions come from `kvcompose.data`.
 """

@@ -1,7 +1,8 @@
 """Benchmarks: fidelity to the full cache (teacher-forced traces), accuracy on math benchmarks, decoding speed.
 
-- `kvcompose.data`: questions (local JSONL, Hugging Face datasets, built-in demo questions).
-- `kvcompose.traces`: full-cache reference traces; `kvcompose.bench.metrics`: KL, top-1, perplexity ratio.
+- `kvcompose.data`, `kvcompose.traces` (in the library: calibration reads them too): questions (local JSONL,
+  Hugging Face datasets, built-in demo questions) and full-cache reference traces.
+- `kvcompose.bench.metrics`: KL, top-1, perplexity ratio.
 - `kvcompose.bench.fidelity`: teacher forcing through any cache, free generation (the fidelity runner).
 - `kvcompose.bench.grading`: answer grading with math-verify plus GSM8K's `#### n` and a last-number fallback.
 - `kvcompose.bench.accuracy`: accuracy vs KV budget with batched generation, resumable JSONL, `accelerate`.
@@ -11,7 +12,7 @@
 - `kvcompose.bench.report`: JSON / Markdown / PNG output.
 - `kvcompose.bench.kvpress`: the side-by-side with NVIDIA kvpress (run in its own virtualenv).
 
-The command line is `kvcompose bench fidelity|accuracy|speed|steptime|throughput ...` (see `kvcompose.cli`).
+The command line is `kvcompose bench fidelity|accuracy|speed|steptime|throughput ...` (`kvcompose.bench.cli`).
 """
 
 from ..data import DATASETS, load_hf_dataset, load_questions, resolve_questions
