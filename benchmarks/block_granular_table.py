@@ -18,11 +18,11 @@ Variants (`--variants`):
                  heads keep the same blocks, one block table per layer as in vLLM)
     head-max     BlockGranular(..., reduce="max", per_head=True)
     layer-max    BlockGranular(..., reduce="max", per_head=False)
-    request-mean one block set for every layer and KV head of the request (`kvcompose.paged_blocks`:
+    request-mean one block set for every layer and KV head of the request (`kvcompose.bench.paged_blocks`:
                  `request_pipeline`, `RequestEvent`; VaSE's protection by `VotingValueProtect`)
 
 The blocks (`BlockProtectValueNorm`, `RequestBlocks`, `VotingValueProtect`, `RequestEvent`) live in
-`kvcompose.paged_blocks`; this script only runs and tabulates them.
+`kvcompose.bench.paged_blocks`; this script only runs and tabulates them.
 
 Besides fidelity, every compression event's kept tokens per (row, KV head) are recorded (the pipeline's
 `Selection.kept`, wrapped), so the table also says how many tokens each variant really holds after an event
@@ -55,11 +55,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvcompose import KVComposeCache, KVComposeError  # noqa: E402
-from kvcompose.bench.data import default_data_path, load_questions  # noqa: E402
+from kvcompose.data import default_data_path, load_questions  # noqa: E402
 from kvcompose.bench.fidelity import evaluate_trace  # noqa: E402
-from kvcompose.bench.run import load_model, make_pipeline, select_questions, versions  # noqa: E402
-from kvcompose.bench.traces import RepetitionGuard, Trace, make_traces  # noqa: E402
-from kvcompose.paged_blocks import RequestEvent, block_granular, request_pipeline  # noqa: E402
+from kvcompose.bench.run import load_model, select_questions, versions  # noqa: E402
+from kvcompose.methods import preset  # noqa: E402
+from kvcompose.traces import RepetitionGuard, Trace, make_traces  # noqa: E402
+from kvcompose.bench.paged_blocks import RequestEvent, block_granular, request_pipeline  # noqa: E402
 from kvcompose.pipeline import Pipeline  # noqa: E402
 
 METHODS = ["h2o", "snapkv", "tova", "rkv", "vase", "random_attention"]
@@ -84,13 +85,13 @@ LABELS = {"token": "token", "head-mean": "block/head", "layer-mean": "block/laye
 
 
 def build_pipeline(method: str, budget: int, variant: str, block: int) -> Pipeline:
-    """The preset at the fidelity bench's settings (`make_pipeline`), token-granular or wrapped in
-    `BlockGranular` for a block variant (`kvcompose.paged_blocks.block_granular`). VaSE's block variants
+    """The preset at the fidelity bench's settings (`methods.preset(name, budget=...)`), token-granular or wrapped in
+    `BlockGranular` for a block variant (`kvcompose.bench.paged_blocks.block_granular`). VaSE's block variants
     also protect by blocks (`BlockProtectValueNorm`); "vase-tokenprot" keeps VaSE's token protector inside
     the block selector."""
     if variant not in VARIANTS:
         raise KVComposeError(f"unknown variant {variant!r}; variants: {', '.join(VARIANTS)}")
-    base = make_pipeline("vase" if method == "vase-tokenprot" else method, budget)
+    base = preset("vase" if method == "vase-tokenprot" else method, budget=budget)
     spec = VARIANTS[variant]
     if spec is None:
         return base
@@ -102,10 +103,10 @@ def build_pipeline(method: str, budget: int, variant: str, block: int) -> Pipeli
 
 def build_request_pipeline(method: str, budget: int, block: int, scope: str = "request",
                            interval: int | None = None) -> tuple[Pipeline, RequestEvent]:
-    """(pipeline, event) of the request-wide variant (`kvcompose.paged_blocks.request_pipeline`);
+    """(pipeline, event) of the request-wide variant (`kvcompose.bench.paged_blocks.request_pipeline`);
     `scope="layer"` is the harness check. `interval`: decoded tokens between events (default the preset's,
     else 64, as `KVComposeCache`)."""
-    base = make_pipeline("vase" if method == "vase-tokenprot" else method, budget)
+    base = preset("vase" if method == "vase-tokenprot" else method, budget=budget)
     return request_pipeline(base, budget, block, scope, interval, block_protection=method == "vase")
 
 

@@ -82,7 +82,7 @@ def main() -> None:
           f"interval {args.interval}; {args.threads} thread(s) on {dev}", flush=True)
 
     def run(name: str):
-        pipe = methods.PRESETS[name]() if name != "full" else methods.full()
+        pipe = methods.preset(name, budget=None if name == "full" else args.budget)
         budget = None if name == "full" else args.budget
         cache = time_compress(KVComposeCache(model, pipe, budget, interval=args.interval))
         t0 = time.perf_counter()

@@ -34,7 +34,15 @@ DEFAULT_METHODS = ["streaming_llm", "h2o", "snapkv", "tova", "knorm", "rkv", "ra
 
 def fingerprint(args) -> dict:
     from kvcompose import KVComposeCache
-    from kvcompose.bench.run import make_pipeline
+    import importlib
+    import inspect
+
+    from kvcompose import methods
+
+    if "budget" in inspect.signature(methods.preset).parameters:
+        build = lambda name, budget: methods.preset(name, budget=budget)  # noqa: E731
+    else:  # a checkout from before the one factory: the benchmark's own
+        build = importlib.import_module("kvcompose.bench.run").make_pipeline
     from kvcompose.models import chat_inputs, load_default_model
 
     torch.set_num_threads(args.threads)
@@ -49,7 +57,7 @@ def fingerprint(args) -> dict:
     out = {"prompt_tokens": p, "tokens": int(seq.shape[0]), "interval": args.interval}
     for name in args.methods:
         for budget in args.budgets:
-            cache = KVComposeCache(model, make_pipeline(name, budget), budget=budget, interval=args.interval)
+            cache = KVComposeCache(model, build(name, budget), budget=budget, interval=args.interval)
             logits = []
             with torch.no_grad():
                 o = model(input_ids=seq[None, :p], past_key_values=cache, use_cache=True)
@@ -87,7 +95,7 @@ def fingerprint_tiny(args) -> dict:
     out = {"tiny": True, "tokens": 200, "interval": 16}
     for name in args.methods:
         for pad in (False, True):
-            pipe = methods.PRESETS[name]()
+            pipe = methods.preset(name)  # no budget: each preset at its plain defaults, on old checkouts too
             cache = KVComposeCache(model, pipe, 96 if pipe.compresses else None, interval=16)
             kw = (lambda t: {"attention_mask": mask[:, :t]}) if pad else (lambda t: {})
             logits = []

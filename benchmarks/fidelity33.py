@@ -193,7 +193,7 @@ class Plan:
     # -- jobs ----------------------------------------------------------------------------------------------
     def bench(self, set_name: str) -> list[str]:
         a = self.a
-        return [a.python, "-m", "kvcompose.cli", "bench", "fidelity", "--kinds", "sampled", "--new-tokens", str(a.tokens),
+        return [a.python, "-m", "kvcompose.bench.cli", "bench", "fidelity", "--kinds", "sampled", "--new-tokens", str(a.tokens),
                 "--short-budgets", "--interval", str(a.interval), "--free-gen-prompts", "0", "--threads", "1",
                 "--no-recall", "--batch-size", str(a.group_size), "--references", str(self.root / "refs"),
                 "--traces", str(self.root / set_name / "traces.json"),
@@ -213,7 +213,7 @@ class Plan:
         a, root, py = self.a, self.root, self.a.python
         calib_ex = root / "calibration_questions.json"
         if not calib_ex.exists() and self.data:  # the calibration's questions, kept out of every prompt set
-            from kvcompose.bench.data import load_questions
+            from kvcompose.data import load_questions
 
             root.mkdir(parents=True, exist_ok=True)
             qs = load_questions(self.data, len(CALIB_LINES), CALIB_LINES[0])
@@ -231,7 +231,7 @@ class Plan:
         for s in [x for x in ("reported", "heldout", "explore") if x in self.sets]:
             n = self.prompts[s]
             self.add(Job(f"traces-{s}", "traces",
-                         [py, "-m", "kvcompose.cli", "bench", "fidelity", "--kinds", "sampled", "--new-tokens", str(a.tokens),
+                         [py, "-m", "kvcompose.bench.cli", "bench", "fidelity", "--kinds", "sampled", "--new-tokens", str(a.tokens),
                           "--groups", str(n // a.group_size), "--group-size", str(a.group_size), "--select-seed",
                           str(SEEDS[s]), "--exclude", *excl, "--methods", "--free-gen-prompts", "0", "--threads", "1",
                           "--out", str(root / s), *self.model],

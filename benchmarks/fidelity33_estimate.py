@@ -31,10 +31,10 @@ def estimate(args) -> int:
 
     from kvcompose import KVComposeCache
     from kvcompose.bench.common import load_model
-    from kvcompose.bench.data import load_questions
+    from kvcompose.data import load_questions
     from kvcompose.bench.fidelity import evaluate_batch, hidden_references
     from kvcompose.bench.run import _pipeline, load_pipelines, select_prompt_groups
-    from kvcompose.bench.traces import Trace, _worked_ids, prompt_ids
+    from kvcompose.traces import Trace, _worked_ids, prompt_ids
 
     data = args.data or os.environ.get("KVCOMPOSE_GSM8K")
     out = Path(args.estimate)

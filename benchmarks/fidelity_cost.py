@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvcompose import KVComposeCache  # noqa: E402
-from kvcompose.bench.common import load_model, make_pipeline, versions  # noqa: E402
+from kvcompose.bench.common import load_model, versions  # noqa: E402
+from kvcompose.methods import preset  # noqa: E402
 from kvcompose.bench.fidelity import (  # noqa: E402
     Trace, _reference, clear_reference_cache, evaluate_batch, evaluate_trace, hidden_references,
 )
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     refs = hidden_references(model, items, batch_size=len(items))
     for r in refs:  # the scoring statistics, computed once per trace (saved with --references in the bench)
         r.reference_stats(model)
-    pipe = make_pipeline(args.method, args.budget)
+    pipe = preset(args.method, budget=args.budget)
     make = lambda: KVComposeCache(model, pipe, budget=args.budget)  # noqa: E731
     rows = []
 

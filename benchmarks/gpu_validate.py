@@ -494,8 +494,8 @@ def _timed_events(cache):
 @torch.no_grad()
 def _decode(model, ids, cache, n, max_time=None, attention_mask=None):
     """Greedy-decode up to n tokens (at most `max_time` seconds: generate's own stopping criterion) with
-    per-step stamps (kvcompose.bench.decode.TokenClock)."""
-    from kvcompose.bench.decode import TokenClock
+    per-step stamps (kvcompose.models.TokenClock)."""
+    from kvcompose.models import TokenClock
 
     clock = TokenClock(ids.device)
     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids) if attention_mask is None else attention_mask,

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcompose import KVComposeCache, methods  # noqa: E402
 from kvcompose.bench.fidelity import Trace, load_questions, make_traces  # noqa: E402
-from kvcompose.bench.traces import prompt_ids  # noqa: E402
+from kvcompose.traces import prompt_ids  # noqa: E402
 from kvcompose.models import load_default_model  # noqa: E402
 
 

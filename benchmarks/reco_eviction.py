@@ -55,7 +55,7 @@ SEGMENTERS = {
 VARIANTS = ["rkv", "reco", "reco-inverse", "reco-random-steps", "random"]
 
 
-def make_pipeline(name: str, source, seed: int = 0) -> Pipeline:
+def reco_pipeline(name: str, source, seed: int = 0) -> Pipeline:
     base = methods.rkv()
     if name == "rkv":
         return base
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
             for budget in args.budgets:
                 for v in args.variants:
                     t = time.time()
-                    r = teacher_force(model, tr, ref, make_pipeline(v, replay, args.seed), replay, budget,
+                    r = teacher_force(model, tr, ref, reco_pipeline(v, replay, args.seed), replay, budget,
                                       args.interval, args.seed)
                     rec = {"trace": tr.id, "budget": budget, "variant": v, "prompt": len(tr.prompt_ids),
                            "steps": len(replay.ends), **r}
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
                   flush=True)
             for v in args.variants:
                 t = time.time()
-                r = free_generate(model, tok, q["question"], make_pipeline(v, tracker, args.seed), tracker,
+                r = free_generate(model, tok, q["question"], reco_pipeline(v, tracker, args.seed), tracker,
                                   args.free_budget, args.interval, args.free_tokens, args.seed)
                 res["free"].append({"id": q["id"], "variant": v, "gold": gold, **r})
                 print(f"  {v:18s} {r['tokens']} tokens -> {r['answer']} events={r['events']} ({time.time() - t:.0f}s)",

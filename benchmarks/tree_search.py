@@ -105,7 +105,7 @@ def answer_of(text: str | None) -> str | None:
 def load_items(args) -> list[dict]:
     if not args.data:
         return [QUESTION]
-    from kvcompose.bench.data import load_questions
+    from kvcompose.data import load_questions
 
     return load_questions(args.data, args.n, offset=args.offset)
 

@@ -36,7 +36,6 @@ from .view import AttentionStep, KVComposeError, LayerSpec, LayerView
 from . import blocks
 from .blocks import (CAP, CUR, Compactor, CriticalKV, ExpectedAttention, KeyDiff, LagKV, LeverageScore,
                      NonCausalAttention, OutputProjection, Rotary)
-from .paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent, VotingValueProtect
 from .view import KVComposeWarning
 
 __version__ = "0.1.0"
@@ -55,6 +54,5 @@ __all__ = [
     "BranchCache", "BranchMemory",
     "blocks", "KeyDiff", "LagKV", "CUR", "LeverageScore", "NonCausalAttention", "Compactor", "CriticalKV",
     "ExpectedAttention", "CAP", "Rotary", "OutputProjection",
-    "BlockProtectValueNorm", "RequestEvent", "RequestBlocks", "VotingValueProtect",
     "KVComposeWarning",
 ]

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from .attention_math import attend, attention_probs, build_mask  # re-exported: the math lives there
-from .compat import ASSISTED_MESSAGE, SUPPORTED_FEATURES, in_assisted_generation, no_trace
+from .compat import ASSISTED_MESSAGE, SUPPORTED_FEATURES, assisted_signal, in_assisted_generation, no_trace
 from .view import KVComposeError
 
 __all__ = [
@@ -431,7 +431,7 @@ def _kvcompose_call(layer, module, query, attention_mask, kwargs):
             f"{type(module).__name__} passes attention arguments kvcompose does not implement: {unknown}; "
             "this architecture is not supported"
         )
-    if query.shape[2] > 1 and in_assisted_generation():
+    if query.shape[2] > 1 and not assisted_signal() and in_assisted_generation():  # a frame walk on 5.2 only
         raise KVComposeError(ASSISTED_MESSAGE)
     scale = kwargs.get("scaling")
     if scale is None:

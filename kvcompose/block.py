@@ -49,6 +49,32 @@ def map_row_tensors(state: Any, fn: Callable[[Tensor], Tensor], batch: int) -> A
     return state
 
 
+def accepts(fn: Callable, name: str) -> bool:
+    """Whether `fn` takes a parameter `name` (cached per function): a block method that takes `state` or
+    `positions` is given them; one written without them is called as before."""
+    key = (fn, name)
+    if key not in _ACCEPTS:
+        import inspect
+
+        try:
+            _ACCEPTS[key] = name in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            _ACCEPTS[key] = False
+    return _ACCEPTS[key]
+
+
+_ACCEPTS: dict[tuple[Callable, str], bool] = {}
+
+
+def with_state(out: Any, state: Any, result_is_pair: bool = False) -> tuple[Any, Any]:
+    """`(result, new_state)` from what a leaf's method returned: `result` alone (its state unchanged) or
+    `(result, new_state)` (optax's shape). `result_is_pair`: the result itself is a pair (a selector's
+    `(kept, order)`), so only `((kept, order), new_state)` carries a state."""
+    if isinstance(out, tuple) and len(out) == 2 and (not result_is_pair or isinstance(out[0], tuple)):
+        return out[0], out[1]
+    return out, state
+
+
 def role_of(obj: Any) -> str:
     """The block role of `obj` ("Scorer", "Protector", "Selector", "Allocator", "TierStore": the class right
     below `Block` in its MRO), else its type name ("Pipeline", "float", ...)."""

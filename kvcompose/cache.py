@@ -148,7 +148,65 @@ def check_unused(pipeline: Pipeline, attention, *, budget=None, interval=None, s
         warn_unused(f"{where}(prefetcher=...)", f"the tier of {p} holds no tokens to bring back", stacklevel=4)
 
 
-class KVComposeCache(Cache):
+class CacheGlue:
+    """What every kvcompose cache class says to transformers and to `kvcompose.attention`, written once
+    (`KVComposeCache`, `BranchCache`): the routing flags, the usability check before each Cache API call (closed,
+    unbound, or the model's attention switched away), the missed-attention check before each step, the mask note,
+    and the refusals (assisted decoding, croppability). A subclass gives `_bound()` (the model is attached),
+    `_seen_length(...)` (tokens seen, what `get_seq_length` answers) and `_layer_mask_sizes(...)` (a layer's
+    `(held + new, seen - held)`)."""
+
+    kvcompose_attention = True  # kvcompose.attention routes calls that carry this cache to its layers
+    kvcompose_missed: str | None = None  # set by kvcompose.attention when an update's attention never ran
+    kvcompose_closed = False  # set by close(); cleared by bind(model)
+    # transformers' deferred stop check (MPS) decodes one token too many and crops it afterwards, for caches
+    # that say they are croppable; a kvcompose crop may be refused, so generate must not count on it
+    is_croppable = False
+
+    def _bound(self) -> bool:
+        raise NotImplementedError
+
+    def _seen_length(self, *args, **kwargs) -> int:
+        raise NotImplementedError
+
+    def _layer_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def _check_usable(self) -> None:
+        if not self._bound() and not self.kvcompose_closed:
+            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
+        _attn.check_open(self, self.bound_model())  # closed, or the model's attention was switched: refused by name
+        if not self._bound():
+            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
+
+    # -- transformers Cache API, never traced by torch.compile -----------------------------------
+    @_no_trace
+    def update(self, *args, **kwargs):
+        self._check_usable()
+        return super().update(*args, **kwargs)
+
+    @_no_trace
+    def get_seq_length(self, *args, **kwargs) -> int:
+        self._check_usable()
+        _attn.check_consumed(self)  # generate asks before every step: a layer whose attention never ran raises
+        return self._seen_length(*args, **kwargs)
+
+    @_no_trace
+    def get_mask_sizes(self, *args, **kwargs):
+        """`(held + new, seen - held)` of a layer; the mask function call that follows is this cache's
+        (`kvcompose.attention.expect_mask`)."""
+        self._check_usable()  # before the model builds a mask and attends: never a shape error of its attention
+        return _attn.expect_mask(self, self._layer_mask_sizes(*args, **kwargs))
+
+    def activate_past_recording(self, *args, **kwargs):
+        """Called by transformers (5.23+) before assisted / prompt-lookup decoding: refused."""
+        raise KVComposeError(compat.ASSISTED_MESSAGE)
+
+    def __reduce_ex__(self, protocol):
+        return _copying.reduce_cache(self)  # torch.save inside: views of one buffer stay views when loaded
+
+
+class KVComposeCache(CacheGlue, Cache):
     """A compressing KV cache for `model.generate(past_key_values=cache)`.
 
     kvcompose's attention runs only for calls that carry this cache; the model keeps its previous attention
@@ -229,41 +287,19 @@ class KVComposeCache(Cache):
         layers = [ComposeLayer(self.core, i, owner=self, sliding_window=windows.get(i)) for i in range(self.num_layers)]
         super().__init__(layers=layers)  # layers reach their peers through a weak reference to the cache
 
-    kvcompose_attention = True  # kvcompose.attention routes calls that carry this cache to its layers
-    kvcompose_missed: str | None = None  # set by kvcompose.attention when an update's attention never ran
-    kvcompose_closed = False  # set by close(); cleared by bind(model)
+    # -- CacheGlue: the Cache API answers of a flat list of layers ------------------------------------
+    def _bound(self) -> bool:
+        return self._model is not None
 
-    def _check_usable(self) -> None:
-        if self._model is None:
-            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
-        _attn.check_open(self, self._model())  # closed, or the model's attention was switched: refused by name
+    def _seen_length(self, *args, **kwargs) -> int:
+        return Cache.get_seq_length(self, *args, **kwargs)
 
-    # -- transformers Cache API, never traced by torch.compile -----------------------------------
-    @_no_trace
-    def update(self, *args, **kwargs):
-        self._check_usable()
-        return super().update(*args, **kwargs)
-
-    @_no_trace
-    def get_seq_length(self, *args, **kwargs) -> int:
-        self._check_usable()
-        _attn.check_consumed(self)  # generate asks before every step: a layer whose attention never ran raises
-        return super().get_seq_length(*args, **kwargs)
-
-    @_no_trace
-    def get_mask_sizes(self, *args, **kwargs):
-        """`(held + new, seen - held)` of a layer; the mask function call that follows is this cache's
-        (`kvcompose.attention.expect_mask`)."""
-        self._check_usable()  # before the model builds a mask and attends: never a shape error of its attention
-        return _attn.expect_mask(self, super().get_mask_sizes(*args, **kwargs))
+    def _layer_mask_sizes(self, *args, **kwargs):
+        return Cache.get_mask_sizes(self, *args, **kwargs)
 
     @_no_trace
     def get_query_offset(self, *args, **kwargs):
         return super().get_query_offset(*args, **kwargs)
-
-    def activate_past_recording(self, *args, **kwargs):
-        """Called by transformers (5.23+) before assisted / prompt-lookup decoding: refused."""
-        raise KVComposeError(compat.ASSISTED_MESSAGE)
 
     def close(self) -> None:
         """Give the model its previous attention implementation back now (also done when the cache is
@@ -285,9 +321,6 @@ class KVComposeCache(Cache):
         """Pickle / torch.save: the state without the model; the loaded cache needs `bind(model)`."""
         _copying.check_picklable(self)
         return _copying.cache_state(self, drop=("_model",))
-
-    def __reduce_ex__(self, protocol):
-        return _copying.reduce_cache(self)  # torch.save inside: views of one buffer stay views when loaded
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -320,10 +353,6 @@ class KVComposeCache(Cache):
         return self
 
     # -- rolling back --------------------------------------------------------------------------------
-    # transformers' deferred stop check (MPS) decodes one token too many and crops it afterwards, for caches
-    # that say they are croppable; a kvcompose crop may be refused (below), so generate must not count on it
-    is_croppable = False
-
     @_no_trace
     def crop(self, max_length: int) -> None:
         """Remove the newest `-max_length` tokens (a positive value keeps that many tokens seen), exactly:

@@ -201,7 +201,7 @@ def calibrate(
 
     Reads `n` questions from line `offset` of a JSONL file (a 'question' field per line, e.g. GSM8K's
     test.jsonl; use questions you do not evaluate on), writes full-cache reference traces of `new_tokens`
-    tokens (`kvcompose.bench.traces.make_traces`, `kind` "sampled" with `seed`, "greedy" or "worked"), and
+    tokens (`kvcompose.traces.make_traces`, `kind` "sampled" with `seed`, "greedy" or "worked"), and
     measures each layer's demand on them with `calibrate_reasoning_wave` (keys covering `coverage` of a
     decoding query's attention). The defaults reproduce the shipped SmolLM2-135M-Instruct profile (GSM8K
     test questions 1000-1003, 4 sampled traces of 512 tokens, seed 1).
@@ -216,8 +216,8 @@ def calibrate(
         The profile dict (also written to `out`): `demand` per layer, `head_demand` per layer and KV head,
         `model` (name), `fingerprint` (architecture), and how it was calibrated (`calibration`).
     """
-    from .bench.data import load_questions
-    from .bench.traces import make_traces
+    from .data import load_questions
+    from .traces import make_traces
 
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise KVComposeError(f"calibrate: n must be a positive int, got {n!r}")

@@ -11,22 +11,44 @@
     kvcompose calibrate --target duo --out duo.json         # DuoAttention head types (or --target lukv: LU-KV curves)
     kvcompose methods                   # list the presets
 
-Run `kvcompose <command> --help` for every flag. Without an installed entry point: `python -m kvcompose.cli`.
+Run `kvcompose <command> --help` for every flag. Without an installed entry point: `python -m kvcompose.bench.cli`.
+
+This module is the library's part (generate, calibrate, methods). `bench` belongs to the benchmarks beside the
+library: `kvcompose.bench.cli` adds it as a `Command`, and the `kvcompose` script is `kvcompose.bench.cli:main`
+(the library never imports the benchmarks; tests/test_import_rule.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import cli_args
 from .cli_args import Parser
 
-__all__ = ["main", "build_parser", "generate"]
+__all__ = ["main", "build_parser", "generate", "Command"]
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command added to the `kvcompose` script by a package beside the library (the benchmarks' `bench`).
+
+    Args:
+        name: the command's name (`kvcompose NAME ...`).
+        add: `add(subparsers, add_model_flags, method_names)` adds its parser to the script's subparsers.
+        run: `run(args, argv) -> exit code`.
+        needs: optional modules a sub-command needs before its end, e.g. `{"bench speed": ("matplotlib",)}`.
+    """
+
+    name: str
+    add: Callable[[Any, Callable[[argparse.ArgumentParser], None], list[str]], None]
+    run: Callable[[argparse.Namespace, list[str]], int]
+    needs: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -44,7 +66,8 @@ def _method_names() -> list[str]:
     return list(PRESETS)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Sequence[Command] = ()) -> argparse.ArgumentParser:
+    """The `kvcompose` parser: the library's commands and the `commands` added beside it."""
     methods = _method_names()
     parser = Parser(prog="kvcompose", description="Composable KV-cache compression for long "
                                      "chain-of-thought decoding with Hugging Face transformers.")
@@ -68,118 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_model_flags(g)
 
-    # bench ----------------------------------------------------------------------------------
-    b = sub.add_parser("bench", help="fidelity, accuracy and speed benchmarks").add_subparsers(dest="bench", required=True)
-    f = b.add_parser("fidelity", help="teacher-forced fidelity to the full cache for every method and budget",
-                     description="Full-cache reference traces teacher-forced through each method's cache: top-1 "
-                     "agreement, KL, perplexity ratio, peak KV, KL along the trace, prompt recall; free generation; "
-                     "optional kvpress side by side. Defaults finish in about 20 min on an idle 2-core CPU.")
-    f.add_argument("--data", default=None, help="GSM8K-style JSONL file (default: the file named by $KVCOMPOSE_GSM8K)")
-    f.add_argument("--n-prompts", type=int, default=2, help="questions (default 2)")
-    f.add_argument("--offset", type=int, default=0, help="first question line (default 0)")
-    f.add_argument("--min-prompt-tokens", type=int, default=0,
-                   help="use only questions whose chat prompt has at least this many tokens (default 0: the first ones)")
-    f.add_argument("--new-tokens", type=int, default=1536, help="reference trace length in tokens (default 1536); with --traces, longer saved traces "
-                   "are scored on their first N tokens")
-    f.add_argument("--kinds", nargs="+", default=["sampled", "worked"], choices=["sampled", "greedy", "worked"],
-                   help="trace kinds (default: sampled worked)")
-    f.add_argument("--methods", nargs="*", default=methods,
-                   help="presets, or names from --pipelines (default: every preset; none with --kvpress-inprocess "
-                   "runs kvpress only)")
-    f.add_argument("--pipelines", nargs="+", default=None,
-                   help="Python files defining PIPELINES = {name: callable(budget) -> Pipeline} (compositions)")
-    f.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 512], help="budgets (default 64 128 256 512)")
-    f.add_argument("--interval", type=int, default=None,
-                   help="compression interval for every method (default: each preset's own: R-KV 128, the others 64)")
-    f.add_argument("--batch-size", type=int, default=1,
-                   help="traces teacher-forced together, one forward per chunk for the batch (default 1: one trace "
-                   "at a time); kvpress batches only equal prompt lengths")
-    f.add_argument("--groups", type=int, default=0,
-                   help="select GROUPS groups of --group-size questions of equal chat-prompt length, seeded by "
-                   "--select-seed (default 0: --n-prompts from --offset)")
-    f.add_argument("--group-size", type=int, default=8, help="questions per group (default 8)")
-    f.add_argument("--select-seed", type=int, default=0, help="seed of the --groups selection (default 0)")
-    f.add_argument("--exclude", nargs="+", default=None,
-                   help="traces.json files of earlier runs whose questions are not selected (a held-out set)")
-    f.add_argument("--references", default=None,
-                   help="folder for the full-cache references (hidden states), reused by later runs")
-    f.add_argument("--no-recall", action="store_true",
-                   help="skip the prompt-recall probe after each trace (about a third of a 256-token row's cost)")
-    f.add_argument("--kvpress-inprocess", action="store_true",
-                   help="run --kvpress-presses in this process (kvpress installed here; transformers 5.2), batched")
-    f.add_argument("--short-budgets", nargs="*", type=int, default=[64, 128],
-                   help="budgets of the short regime (below the prompt length), scored on the first --short-tokens "
-                   "trace tokens (default 64 128)")
-    f.add_argument("--short-tokens", type=int, default=512,
-                   help="trace tokens for the short-regime budgets (0 = the whole trace; default 512)")
-    f.add_argument("--seed", type=int, default=0)
-    f.add_argument("--temperature", type=float, default=0.7)
-    f.add_argument("--top-p", type=float, default=0.95)
-    f.add_argument("--repetition-penalty", type=float, default=1.1, help="repetition guard of the references (default 1.1)")
-    f.add_argument("--no-repeat-ngram-size", type=int, default=0, help="alternative repetition guard (default off)")
-    f.add_argument("--free-gen-prompts", type=int, default=4, help="questions for free generation (0 = skip; default 4)")
-    f.add_argument("--free-gen-tokens", type=int, default=256, help="max new tokens in free generation (default 256)")
-    f.add_argument("--free-gen-budgets", nargs="+", type=int, default=[64, 128], help="budgets for free generation")
-    f.add_argument("--kvpress-python", default=None,
-                   help="python of a kvpress virtualenv (e.g. .venv-kvpress/bin/python): run kvpress side by side")
-    f.add_argument("--kvpress-script", default=None, help="default: kvpress_side.py shipped in kvcompose.bench.external")
-    f.add_argument("--kvpress-presses", nargs="+", default=None, help="kvpress presses (default: the script's)")
-    f.add_argument("--kvpress-budgets", nargs="+", type=int, default=None, help="default: --budgets")
-    f.add_argument("--kvpress-kinds", nargs="+", default=["sampled"], help="trace kinds sent to kvpress (default sampled)")
-    f.add_argument("--kvpress-max-steps", type=int, default=None,
-                   help="truncate the traces sent to kvpress (it decodes one token per forward call)")
-    f.add_argument("--kvpress-max-items", type=int, default=None, help="send only the first N traces to kvpress")
-    f.add_argument("--kvpress-json", default=None,
-                   help="reuse the kvpress results of an earlier run (its kvpress.json) instead of running kvpress")
-    f.add_argument("--traces", default=None,
-                   help="reuse the reference traces of an earlier run (its traces.json) instead of generating them")
-    f.add_argument("--kvpress-sequential", action="store_true",
-                   help="run kvpress before kvcompose's loop instead of in parallel with it")
-    f.add_argument("--out", default="runs/fidelity", help="output folder (default runs/fidelity)")
-    _add_model_flags(f)
-
-    from .bench import speed, steptime, throughput  # speed instruments: their flags live with them
-
-    speed.add_parser(b, _add_model_flags, methods)
-    steptime.add_parser(b, _add_model_flags, methods)
-    throughput.add_parser(b, _add_model_flags, methods)
-
-    a = b.add_parser("accuracy", help="accuracy vs KV budget on GSM8K / MATH-500 / AIME (graded with math-verify)",
-                     description="Generate solutions with the full cache and each method at each budget (batched, "
-                     "left padding), grade them (math-verify, GSM8K '#### n', last number), and write resumable "
-                     "JSONL records, a Markdown table and plots (accuracy vs budget, accuracy vs peak KV). Runs "
-                     "under `accelerate launch --multi_gpu --num_processes N` or torchrun too (batches sharded by rank, one "
-                     "merged table; gloo on CPU).")
-    src = a.add_mutually_exclusive_group()
-    src.add_argument("--data", default=None,
-                     help="local JSONL with 'question' (or 'problem') and 'answer' per line (default: $KVCOMPOSE_GSM8K)")
-    src.add_argument("--dataset", default=None, choices=["gsm8k", "math500", "aime24", "aime25"],
-                     help="download with Hugging Face datasets: openai/gsm8k, HuggingFaceH4/MATH-500, "
-                     "HuggingFaceH4/aime_2024, yentinglin/aime_2025 (needs the hub or a cached copy)")
-    a.add_argument("--limit", type=int, default=None, help="first N questions (default: all)")
-    a.add_argument("--offset", type=int, default=0, help="skip the first questions (default 0)")
-    a.add_argument("--methods", nargs="+", default=["full", "rkv"], choices=methods, help="presets (default: full rkv)")
-    a.add_argument("--budgets", nargs="+", type=int, default=[128, 256, 512], help="budgets (default 128 256 512)")
-    a.add_argument("--interval", type=int, default=None,
-                   help="compression interval (default: each preset's own)")
-    a.add_argument("--samples", type=int, default=1, help="samples per question (needs --temperature > 0; default 1)")
-    a.add_argument("--max-new-tokens", type=int, default=1024, help="maximum new tokens (default 1024)")
-    a.add_argument("--batch-size", type=int, default=8, help="questions per generate call, left-padded (default 8)")
-    a.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); e.g. 0.6 for R1-style sampling")
-    a.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass when sampling (default 0.95)")
-    a.add_argument("--seed", type=int, default=0, help="seed of the per-question sampling seeds (default 0)")
-    a.add_argument("--prompt", default=None,
-                   help="user message template with {question} (default: ask for the final answer in \\boxed{})")
-    a.add_argument("--device-map", default=None,
-                   help="load --model with this device_map (e.g. auto: layers over all GPUs; one process only)")
-    a.add_argument("--no-text", action="store_true", help="do not keep the generated texts in the records")
-    a.add_argument("--no-progress", action="store_true", help="no progress bars")
-    a.add_argument("--out", default="runs/accuracy", help="output folder; rerunning skips finished records "
-                   "(default runs/accuracy)")
-    _add_model_flags(a)
-
-    r = b.add_parser("report", help="re-render Markdown and plots from the JSON in a results folder")
-    r.add_argument("dir", type=cli_args.results_dir)
+    for command in commands:  # commands added by a package beside the library (the benchmarks' `bench`)
+        command.add(sub, _add_model_flags, methods)
 
     c = sub.add_parser("calibrate", help="write a ReasonAlloc (ReasoningWave) layer profile for a model",
                        description="Full-cache reasoning traces of held-out questions, then each layer's attention "
@@ -213,13 +126,13 @@ def _question(args) -> dict[str, Any]:
     if args.question:
         return {"id": "cli", "question": args.question, "answer": None}
     if args.data:
-        from .bench.data import load_questions
+        from .data import load_questions
 
         qs = load_questions(args.data, 1, offset=args.index)
         if not qs:
             raise SystemExit(f"kvcompose: no question at line {args.index} of {args.data}")
         return qs[0]
-    from .bench.data import demo_question
+    from .data import demo_question
 
     return demo_question(args.index)
 
@@ -228,7 +141,7 @@ def _run_one(model, tok, inputs, cache, args, label: str) -> dict[str, Any]:
     import torch
     from tqdm.auto import tqdm
 
-    from .bench.speed import TokenClock
+    from .models import TokenClock
 
     bar = tqdm(total=args.max_new_tokens, desc=label, unit="tok", leave=False, disable=args.no_progress,
                dynamic_ncols=True)
@@ -272,16 +185,16 @@ def generate(args) -> int:
     """`kvcompose generate`: one question, one method (and the full cache with --compare)."""
     import torch
 
-    from .bench.metrics import extract_answer, gsm8k_answer
-    from .bench.run import load_model, make_pipeline
+    from .data import extract_answer, gsm8k_answer
+    from .models import load_model
     from .cache import KVComposeCache
-    from .methods import full
+    from .methods import full, preset
     from .models import chat_inputs
 
     if args.threads:
         torch.set_num_threads(args.threads)
     q = _question(args)
-    pipe = make_pipeline(args.method, args.budget)
+    pipe = preset(args.method, budget=args.budget)
     pipe.validate(args.budget)
     print(f"loading {args.model or 'SmolLM2-135M-Instruct'} ...", file=sys.stderr)
     model, tok = load_model(args.model, args.dtype, args.device)
@@ -323,8 +236,8 @@ def calibrate(args) -> int:
 
     import torch
 
-    from .bench.data import ENV_GSM8K
-    from .bench.run import load_model
+    from .data import ENV_GSM8K
+    from .models import load_model
     from .calibration import calibrate as run_calibration
 
     if args.threads:
@@ -361,9 +274,9 @@ def calibrate(args) -> int:
 # optional dependencies: Python module -> the extra of pyproject.toml that installs it
 EXTRAS = {"matplotlib": "bench", "math_verify": "eval", "datasets": "eval", "lm_eval": "eval",
           "accelerate": "eval", "gguf": "demo", "triton": "triton"}
-# what a command needs before its end (checked up front: a long run must not die at its plot)
-NEEDS = {"bench fidelity": ("matplotlib",), "bench accuracy": ("matplotlib", "math_verify"),
-         "bench speed": ("matplotlib",), "bench throughput": ("matplotlib",), "bench report": ("matplotlib",)}
+# what a command needs before its end (checked up front: a long run must not die at its plot); a `Command`
+# names its own
+NEEDS: dict[str, tuple[str, ...]] = {}
 
 
 def _needs_extra(command: str, module: str) -> str:
@@ -372,60 +285,9 @@ def _needs_extra(command: str, module: str) -> str:
             f"pip install 'kvcompose[{EXTRAS[module]}]'")
 
 
-def _bench(args, argv: list[str]) -> int:
-    from .bench import run
-
-    command = "kvcompose " + " ".join(shlex.quote(a) for a in argv)
-    if args.bench == "report":
-        written = run.render(args.dir)
-        if not written:
-            from .view import KVComposeError
-
-            raise KVComposeError(f"{args.dir} holds no results kvcompose can render (fidelity.json, accuracy.json, "
-                                 "speed.json, steptime.json, throughput.json)")
-        for p in written:
-            print(p)
-        return 0
-    if args.bench == "accuracy":
-        from .bench.accuracy import DEFAULT_PROMPT, AccuracyConfig, run_accuracy
-
-        run_accuracy(AccuracyConfig(
-            model=args.model, dtype=args.dtype, device=args.device, device_map=args.device_map, data=args.data,
-            dataset=args.dataset, limit=args.limit, offset=args.offset, methods=args.methods, budgets=args.budgets,
-            interval=args.interval, samples=args.samples, max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-            prompt=args.prompt or DEFAULT_PROMPT, save_text=not args.no_text, threads=args.threads,
-            progress=not args.no_progress, out=args.out, command=command))
-        return 0
-    if args.bench == "fidelity":
-        cfg = run.FidelityConfig(
-            data=args.data, model=args.model, dtype=args.dtype, device=args.device, n_prompts=args.n_prompts,
-            offset=args.offset, min_prompt_tokens=args.min_prompt_tokens, new_tokens=args.new_tokens, kinds=args.kinds, methods=args.methods,
-            budgets=args.budgets, interval=args.interval, short_budgets=args.short_budgets,
-            short_tokens=args.short_tokens, seed=args.seed, temperature=args.temperature,
-            top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-            no_repeat_ngram_size=args.no_repeat_ngram_size, free_gen_prompts=args.free_gen_prompts,
-            free_gen_tokens=args.free_gen_tokens, free_gen_budgets=args.free_gen_budgets,
-            kvpress_python=args.kvpress_python, kvpress_script=args.kvpress_script,
-            kvpress_presses=args.kvpress_presses, kvpress_budgets=args.kvpress_budgets,
-            kvpress_kinds=args.kvpress_kinds, kvpress_max_steps=args.kvpress_max_steps,
-            kvpress_max_items=args.kvpress_max_items, kvpress_parallel=not args.kvpress_sequential,
-            kvpress_json=args.kvpress_json, traces=args.traces, kvpress_inprocess=args.kvpress_inprocess,
-            batch_size=args.batch_size, groups=args.groups, group_size=args.group_size, select_seed=args.select_seed,
-            exclude=args.exclude, pipelines=args.pipelines, references=args.references, recall=not args.no_recall,
-            threads=args.threads, out=args.out, command=command,
-        )
-        run.run_fidelity(cfg)
-        return 0
-    if args.bench in ("speed", "steptime", "throughput"):
-        from .bench import speed, steptime, throughput
-
-        return {"speed": speed, "steptime": steptime, "throughput": throughput}[args.bench].main(args, command)
-    return 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `kvcompose` script."""
+def main(argv: list[str] | None = None, commands: Sequence[Command] = ()) -> int:
+    """The `kvcompose` command line: the library's commands and `commands` (the script adds `bench`:
+    `kvcompose.bench.cli.main`). Returns the exit code (2 for a bad argument or input)."""
     import os
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -435,14 +297,20 @@ def main(argv: list[str] | None = None) -> int:
     from .view import KVComposeError
 
     # a missing optional dependency is named first, whatever else is wrong with the arguments (--help still helps)
-    early = " ".join(argv[:2]) if argv[:1] == ["bench"] else " ".join(argv[:1])
+    added = {c.name: c for c in commands}
+    needs = {k: v for c in commands for k, v in c.needs.items()} | NEEDS
+    if argv[:1] == ["bench"] and "bench" not in added:
+        print("kvcompose: error: `kvcompose bench` is the benchmarks' command: run the `kvcompose` script or "
+              "`python -m kvcompose.bench.cli bench ...`", file=sys.stderr)
+        return 2
+    early = " ".join(argv[:2]) if argv[:1] and argv[0] in added else " ".join(argv[:1])
     asks_help = "-h" in argv or "--help" in argv
-    for module in () if asks_help else NEEDS.get(early, ()):
+    for module in () if asks_help else needs.get(early, ()):
         if importlib.util.find_spec(module) is None:
             print(_needs_extra(early, module), file=sys.stderr)
             return 2
     try:
-        args = build_parser().parse_args(argv)  # every option is checked here (kvcompose.cli_args): exit 2 on a bad one
+        args = build_parser(commands).parse_args(argv)  # every option is checked here (kvcompose.cli_args): exit 2 on a bad one
     except SystemExit as e:  # argparse printed the one-line error: its exit code is the result (--help still exits)
         if not e.code:
             raise
@@ -458,17 +326,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return generate(args)
-        if args.command == "bench":
-            return _bench(args, argv)
+        if args.command in added:
+            return added[args.command].run(args, argv)
         if args.command == "calibrate":
             return calibrate(args)
         if args.command == "methods":
-            from .bench.run import make_pipeline
-            from .methods import PRESETS
+            from .methods import PRESETS, preset
 
             for name, fn in PRESETS.items():
                 doc = (fn.__doc__ or "").strip().splitlines()[0]
-                print(f"{name:18} {make_pipeline(name, None)!r}\n{'':18} {doc}")
+                print(f"{name:18} {preset(name)!r}\n{'':18} {doc}")
             from .methods import NEEDS_MODEL, NEEDS_PROFILE, PORTED
 
             print("\nported from kvpress (Python: methods.preset(name, model=...); docs/methods.md):")

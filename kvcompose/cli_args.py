@@ -283,7 +283,7 @@ def _rule(dest: str, kind: type, default: Any = None) -> Callable[[str], Any]:
 
 # ------------------------------------------------------------------------------------------ preflight
 def _data_path(args, env: bool = True) -> Path | None:
-    from .bench.data import ENV_GSM8K
+    from .data import ENV_GSM8K
 
     if getattr(args, "data", None):
         return Path(args.data)
@@ -300,7 +300,7 @@ def _data_path(args, env: bool = True) -> Path | None:
 
 
 def _need(path: Path | None, n: int, offset: int, what: str) -> None:
-    from .bench.data import ENV_GSM8K
+    from .data import ENV_GSM8K
 
     if path is None:
         raise argparse.ArgumentTypeError(f"{what} needs questions: pass --data FILE.jsonl (a 'question' field per "
@@ -321,7 +321,7 @@ def preflight(command: str, args) -> None:
     elif command in ("bench speed", "bench throughput"):
         _methods_fit(args.methods, args.budget)
     elif command == "bench accuracy" and args.data is None and args.dataset is None:
-        from .bench.data import DATASETS
+        from .data import DATASETS
 
         path = _data_path(args)
         if path is None:
@@ -333,11 +333,10 @@ def _methods_fit(names: list[str] | None, budget: int) -> None:
     """Every method of a benchmark must work at its budget (its protectors fit): a method that cannot is refused
     before the model loads, instead of a report without it."""
     from . import methods as _methods
-    from .bench.common import make_pipeline
     from .view import KVComposeError
 
     for name in names if names is not None else [m for m in _methods.PRESETS if m != "full"]:
-        pipe = make_pipeline(name, budget)
+        pipe = _methods.preset(name, budget=budget)
         try:
             pipe.validate(budget)
         except KVComposeError as e:

@@ -29,7 +29,7 @@ from .view import KVComposeError
 __all__ = [
     "MIN_TRANSFORMERS", "MAX_TRANSFORMERS", "TESTED_TRANSFORMERS", "TESTED_MODEL_TYPES", "transformers_version",
     "check_transformers", "query_length", "forward_cache", "cache_argument", "output_cache",
-    "in_assisted_generation", "ASSISTED_MESSAGE", "no_trace", "LayerAttention", "ModelAttention", "check_model",
+    "in_assisted_generation", "assisted_signal", "ASSISTED_MESSAGE", "no_trace", "LayerAttention", "ModelAttention", "check_model",
 ]
 
 SUPPORTED_FEATURES = frozenset({"softcap", "sinks"})
@@ -155,9 +155,25 @@ def output_cache(outputs):
     return c if c is not None else getattr(outputs, "past_key_values", None)
 
 
+def assisted_signal() -> bool:
+    """True where transformers itself signals assisted / prompt-lookup decoding to the cache (5.23+: generate
+    calls `cache.activate_past_recording()` before the first forward, which a kvcompose cache refuses). Only
+    without that signal (5.2) does the attention function look for `_assisted_decoding` on the stack
+    (`in_assisted_generation`)."""
+    global ASSISTED_SIGNAL
+    if ASSISTED_SIGNAL is None:
+        ASSISTED_SIGNAL = transformers_version() >= (5, 23)
+    return ASSISTED_SIGNAL
+
+
+ASSISTED_SIGNAL: bool | None = None
+"""Cached answer of `assisted_signal()` (None until first asked)."""
+
+
 def in_assisted_generation(max_depth: int = 256) -> bool:
     """True when called (at any depth) from transformers' `_assisted_decoding` (assisted generation and
-    prompt lookup, all versions). Used on multi-token forwards only: the first forward of assisted decoding
+    prompt lookup, all versions). The attention function calls it only where transformers gives no signal of
+    its own (`assisted_signal()` False: 5.2), on multi-token forwards: the first forward of assisted decoding
     carries the prompt plus the first speculative tokens, so this refuses before any token is produced."""
     f = sys._getframe(1)
     for _ in range(max_depth):

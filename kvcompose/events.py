@@ -121,7 +121,7 @@ def run_event(layer: Any, seg: Segment, rows: Tensor | None, budget: int | None,
         # check, before anything changes
         padded = seg.store.padded or (tiered and pipe.tier.padded(seg.tier))
         derive = sel.host_budget is not None and not some_rows and not padded and \
-            type(pipe.selector).__call__ is Selector.__call__
+            type(pipe.selector).choose is Selector.choose  # the base rule keeps min(budget, T) per head
         want = []
         if not derive:
             want.append(n_kept)

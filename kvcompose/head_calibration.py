@@ -153,9 +153,9 @@ def calibrate_heads_from_data(model, tokenizer, data: str | os.PathLike | list[d
                               progress: bool = False, **kw: Any) -> dict[str, Any]:
     """From questions to a head-wise profile (what `kvcompose calibrate --target duo|lukv` runs): `n` questions of a
     JSONL file from line `offset` (use questions you do not evaluate on), full-cache reference traces of
-    `new_tokens` tokens (`kvcompose.bench.traces.make_traces`), then `calibrate_heads`."""
-    from .bench.data import load_questions
-    from .bench.traces import make_traces
+    `new_tokens` tokens (`kvcompose.traces.make_traces`), then `calibrate_heads`."""
+    from .data import load_questions
+    from .traces import make_traces
 
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise KVComposeError(f"calibrate: n must be a positive int, got {n!r}")

@@ -4,13 +4,14 @@ prompt helper. Tiny random models for tests, examples and docs are in `kvcompose
 from __future__ import annotations
 
 import os
+import time
 from functools import lru_cache
 
 import torch
 
 from .view import KVComposeError
 
-__all__ = ["load_default_model", "default_model_path", "chat_inputs", "DEFAULT_EOS_ID", "GGUF_FILE"]
+__all__ = ["load_default_model", "load_model", "TokenClock", "default_model_path", "chat_inputs", "DEFAULT_EOS_ID", "GGUF_FILE"]
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_EOS_ID = 2  # <|im_end|>; transformers 5.2's GGUF tokenizer reports <|im_start|> instead
@@ -75,3 +76,49 @@ def chat_inputs(tokenizer, questions: list[str] | str, system: str | None = None
     tokenizer.padding_side = "left"
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     return {k: v.to(device) for k, v in enc.items()}
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def load_model(model: str | None = None, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer): the default SmolLM2-135M-Instruct GGUF, or any Hugging Face model path/name."""
+    if dtype not in _DTYPES:
+        raise KVComposeError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    m, tok = load_default_model(model, dtype=_DTYPES[dtype])
+    m = m.to(device)
+    return m, tok
+
+
+class TokenClock:
+    """A `generate` streamer that stamps each generated token (and can tick a tqdm bar).
+
+    `decode_seconds` runs from the first generated token (after the prefill) to the last, so the prefill
+    is not counted; `decode_tokens_per_s` is per sequence (multiply by the batch size for a batch)."""
+
+    def __init__(self, device: torch.device, bar=None):
+        self.device, self.bar = device, bar
+        self.stamps: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:  # generate first hands over the prompt
+            self._prompt_seen = True
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.stamps[-1] - self.stamps[0] if len(self.stamps) > 1 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return (len(self.stamps) - 1) / self.decode_seconds if len(self.stamps) > 1 else float("nan")

@@ -31,7 +31,7 @@ from .allocators import Allocator, Uniform
 from .hostsync import check_later
 from .block import Block, Observer, role_of
 from .blocks.merging import Merger
-from .protectors import Protector, ProtectPrompt
+from .protectors import Protector
 from .scorers import Scorer
 from .selectors import Selector
 from .tiers import Evict, TierStore
@@ -44,9 +44,9 @@ _HINTS: dict[type, bool] = {}
 
 
 def _takes_hints(cls: type) -> bool:
-    """Whether a selector's `__call__` takes the host budgets (`host_budget`, `may_overflow`)."""
+    """Whether a selector's `choose` takes the host budgets (`host_budget`, `may_overflow`)."""
     if cls not in _HINTS:
-        _HINTS[cls] = "host_budget" in inspect.signature(cls.__call__).parameters
+        _HINTS[cls] = "host_budget" in inspect.signature(cls.choose).parameters
     return _HINTS[cls]
 
 
@@ -170,8 +170,10 @@ class Pipeline:
                 raise KVComposeError(f"{type(self.selector).__name__} needs scores but the pipeline has no scorer")
             if not self.selector.needs_scores and self.scorer is not None:
                 raise KVComposeError(f"{type(self.selector).__name__} ignores scores; remove the scorer {self.scorer!r} or use TopK/Sample")
-        if sum(isinstance(p, ProtectPrompt) for p in protectors) > 1:
-            raise KVComposeError("Pipeline got ProtectPrompt twice")
+        if sum(p.fills_room for p in protectors) > 1:
+            names = ", ".join(type(p).__name__ for p in protectors if p.fills_room)
+            raise KVComposeError(f"Pipeline got {names}: at most one protector may fill the room the others leave "
+                                 "(e.g. ProtectPrompt twice)")
         # the state layout: leaves in part order, channel ranges of token-state leaves (the tier's state is
         # threaded by the layer through `store` / `fetch`, not here)
         self.parts: tuple[Block, ...] = tuple(b for b in (self.allocator, self.scorer, *self.protectors, self.selector,
@@ -180,6 +182,9 @@ class Pipeline:
         index = [_flatten(p, self.leaves) for p in self.parts]
         self._alloc_index = index[0]
         self._scorer_index = index[1] if self.scorer is not None else None
+        first = 1 + (self.scorer is not None)
+        self._protector_index = index[first:first + len(self.protectors)]
+        self._selector_index = index[first + len(self.protectors)] if self.selector is not None else None
         self._merger_index = index[-1] if self.merger is not None else None
         self._slices: list[slice | None] = []
         c = 0
@@ -382,14 +387,25 @@ class Pipeline:
             raise KVComposeError(f"{type(self.allocator).__name__} gave a non-positive budget")
         scores = None
         if self.scorer is not None:
-            scores = self.scorer(view, self._tree(self._scorer_index, states, channels))
+            scores, new = self.scorer.apply(view, self._tree(self._scorer_index, states, channels))
+            self._put(self._scorer_index, new, out_states)
+        # every protector: (mask, new state), its state given (a protector called for several row groups keeps
+        # the new state of its first call: each call sees the same state and the whole view)
+        prot_state = {id(p): self._tree(i, states, channels) for p, i in zip(self.protectors, self._protector_index)}
+        prot_new: dict[int, Any] = {}
+
+        def protect(p: Protector, budget: int, room: int | None = None) -> Tensor:
+            mask, new = p.apply(view, budget, room, prot_state[id(p)])
+            prot_new.setdefault(id(p), new)
+            return mask
+
         # protectors count with each row's smallest head budget (and room), never another row's: with per-head
         # budgets a share such as ProtectRecent(0.5) would otherwise protect what the batch's smallest head allows
         row_min = [int(x) for x in np.asarray(host_budget).min(-1)]
         bmin = min(row_min)
-        fixed = [p for p in self.protectors if not isinstance(p, ProtectPrompt)]
+        fixed = [p for p in self.protectors if not p.fills_room]
         protected = _by_row(view, row_min, lambda b: functools.reduce(
-            torch.logical_or, [p(view, b) for p in fixed], torch.zeros_like(view.valid)))
+            torch.logical_or, [protect(p, b) for p in fixed], torch.zeros_like(view.valid)))
         retain = None
         if self.tier.holds_tokens:
             seen = view.seen if view.padding is None else view.row_seen[:, None]  # left padding not counted
@@ -397,7 +413,7 @@ class Pipeline:
         limit = per_head if retain is None else per_head + retain(protected.sum(-1))
         fixed_row = [sum(p.max_count(rb) for p in fixed) for rb in row_min]
         fixed_max = max(fixed_row)
-        prompt = [p for p in self.protectors if isinstance(p, ProtectPrompt)]
+        prompt = [p for p in self.protectors if p.fills_room]  # it takes the room the others leave
         # the smallest limit per head the host can vouch for: the budget, plus what the tier keeps of the real
         # candidates when nothing is protected (retained grows with the protected count)
         lo = host_budget if retain is None else self._host_limit(view, host_budget, 0)
@@ -408,7 +424,10 @@ class Pipeline:
             lim_row = lo.min(-1).tolist() if exact and lo.size else limit.amin(-1).tolist()
             rooms = [int(lim) - f for lim, f in zip(lim_row, fixed_row)]
             protected = protected | _by_row(view, list(zip(row_min, rooms)), lambda key: functools.reduce(
-                torch.logical_or, [p(view, key[0], key[1]) for p in prompt], torch.zeros_like(view.valid)))
+                torch.logical_or, [protect(p, key[0], key[1]) for p in prompt], torch.zeros_like(view.valid)))
+        for p, i in zip(self.protectors, self._protector_index):
+            if id(p) in prot_new:
+                self._put(i, prot_new[id(p)], out_states)
         n_prot = protected.sum(-1)
         if retain is not None:
             limit = per_head + retain(n_prot)
@@ -429,9 +448,11 @@ class Pipeline:
         hints = {}
         if _takes_hints(type(self.selector)):  # the selection takes the host budgets: no host sync
             hints = dict(host_budget=host_budget, may_overflow=may_overflow)
-        kept, order = self.selector(scores, protected, view.valid, per_head, view.generator,
-                                    need_order=self.tier.holds_tokens or self.merger is not None,
-                                    positions=view.row_positions, **hints)
+        (kept, order), new = self.selector.apply(scores, protected, view.valid, per_head, view.generator,
+                                                 need_order=self.tier.holds_tokens or self.merger is not None,
+                                                 positions=view.row_positions,
+                                                 state=self._tree(self._selector_index, states, channels), **hints)
+        self._put(self._selector_index, new, out_states)
         values = None
         if self.merger is not None:
             values = self._merge(view, kept, order, n_prot, states, channels, out_states)
@@ -462,17 +483,18 @@ class Pipeline:
         if view.rows is not None:
             evicted = evicted & view.rows[:, None, None]
         values, new = self.merger(view, kept, evicted, order, self._tree(self._merger_index, states, channels))
-
-        def put(idx: Any, st: Any) -> None:
-            if isinstance(idx, int):
-                if self._slices[idx] is None:
-                    out_states[idx] = st
-            else:
-                for i, s in zip(idx, st):
-                    put(i, s)
-
-        put(self._merger_index, new)
+        self._put(self._merger_index, new, out_states)
         return values
+
+    def _put(self, idx: Any, st: Any, out_states: list) -> None:
+        """Store a part's new state (a leaf's, or the tuple of its parts') in `out_states`; token state lives in
+        the channels, not here."""
+        if isinstance(idx, int):
+            if self._slices[idx] is None:
+                out_states[idx] = st
+        else:
+            for i, s in zip(idx, st):
+                self._put(i, s, out_states)
 
     def __repr__(self) -> str:
         if self.name:

@@ -10,13 +10,13 @@ count like the others (they are kept whatever room is left).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from .block import Block
+from .block import Block, accepts, with_state
 from .kernels import value_magnitude
 from .kernels.ref import top_last
 from .view import KVComposeError, LayerView, warn_unused
@@ -54,7 +54,14 @@ def _rank_mask(order_key: Tensor, count: int, eligible: Bool[Tensor, "B H T"]) -
 
 
 class Protector(Block):
-    """Base class. `__call__(view, budget, room)` returns the keep mask; `max_count(budget)` bounds its size."""
+    """Base class. `__call__(view, budget, room)` returns the keep mask; `max_count(budget)` bounds its size.
+
+    `protect(view, budget, room)` may take a `state` (its layer state, from `init`) and return `(mask,
+    new_state)` (optax's shape, as an Allocator or a Merger). `fills_room = True` marks a protector that
+    takes the room the others leave (`ProtectPrompt`): the pipeline runs it after the others, with that room,
+    and accepts at most one."""
+
+    fills_room: bool = False
 
     def max_count(self, budget: int) -> int:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -67,11 +74,21 @@ class Protector(Block):
     def protect(self, view: LayerView, budget: int, room: int) -> Bool[Tensor, "B H T"]:  # pragma: no cover
         raise NotImplementedError
 
-    def __call__(self, view: LayerView, budget: int, room: int | None = None) -> Bool[Tensor, "B H T"]:
-        mask = self.protect(view, budget, budget if room is None else room)
-        if mask.shape != view.valid.shape or mask.dtype != torch.bool:
+    def apply(self, view: LayerView, budget: int, room: int | None = None, state: Any = None
+              ) -> tuple[Bool[Tensor, "B H T"], Any]:
+        """`(mask, new_state)`: the one call shape of every leaf role (the pipeline calls this)."""
+        room = budget if room is None else room
+        if accepts(type(self).protect, "state"):
+            out = with_state(self.protect(view, budget, room, state=state), state)
+        else:
+            out = (self.protect(view, budget, room), state)
+        mask, new = out
+        if not isinstance(mask, Tensor) or mask.shape != view.valid.shape or mask.dtype != torch.bool:
             raise KVComposeError(f"{type(self).__name__} must return a bool mask of shape {tuple(view.valid.shape)}")
-        return mask & view.valid
+        return mask & view.valid, new
+
+    def __call__(self, view: LayerView, budget: int, room: int | None = None) -> Bool[Tensor, "B H T"]:
+        return self.apply(view, budget, room)[0]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
@@ -131,6 +148,8 @@ class ProtectPrompt(Protector):
         leave: slots left free for non-protected tokens when the prompt is longer than the room.
         keep: "ends" or "first" (which prompt tokens a prompt longer than the room keeps).
     """
+
+    fills_room = True  # the pipeline hands it the room the other protectors leave
 
     def __init__(self, limit: int | float | None = None, sinks: int = 4, leave: int = 0,
                  keep: Literal["ends", "first"] = "ends"):

@@ -16,7 +16,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from .attention_math import attention_probs
-from .block import Block, require_role
+from .block import Block, require_role, with_state
 from .kernels import key_redundancy, value_magnitude, window_attention_scores
 from .seeding import check_seed, derived_seed
 from .view import AttentionStep, KVComposeError, LayerSpec, LayerView, warn_unused
@@ -38,17 +38,23 @@ __all__ = [
 
 class Scorer(Block):
     """Base class. Subclasses implement `score(view) -> Float[B, H, T]`, or `score(view, state)` when the
-    scorer has state (token state, `init`, or parts)."""
+    scorer has state (token state, `init`, or parts). A stateful `score` may also return `(scores, new_state)`
+    (optax's shape, as an Allocator or a Merger returns): the pipeline keeps the new state for the layer."""
 
     def score(self, view: LayerView, *state: Any) -> Float[Tensor, "B H T"]:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def __call__(self, view: LayerView, state: Any = None) -> Float[Tensor, "B H T"]:
-        s = self.score(view, state) if self.takes_state else self.score(view)
+    def apply(self, view: LayerView, state: Any = None) -> tuple[Float[Tensor, "B H T"], Any]:
+        """`(scores, new_state)`: the one call shape of every leaf role (the pipeline calls this)."""
+        s, new = with_state(self.score(view, state) if self.takes_state else self.score(view), state)
         b, h, t = view.shape
-        if s.shape != (b, h, t):
-            raise KVComposeError(f"{type(self).__name__} returned scores of shape {tuple(s.shape)}, expected {(b, h, t)}")
-        return s.float()
+        if not isinstance(s, Tensor) or s.shape != (b, h, t):
+            got = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
+            raise KVComposeError(f"{type(self).__name__} returned scores of shape {got}, expected {(b, h, t)}")
+        return s.float(), new
+
+    def __call__(self, view: LayerView, state: Any = None) -> Float[Tensor, "B H T"]:
+        return self.apply(view, state)[0]
 
     # arithmetic -------------------------------------------------------------------------------
     def __add__(self, other: "Scorer | float") -> "Scorer":

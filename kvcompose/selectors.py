@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from typing import Literal
+from typing import Any, Literal
 
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from .block import Block, require_role
+from .block import Block, accepts, require_role, with_state
 from .hostsync import check_later
 from .kernels.ref import run_sums, top_last
 from .view import KVComposeError
@@ -91,8 +91,12 @@ def indices_from_priority(
 
 
 class Selector(Block):
-    """Base class. Subclasses implement `priority(scores, valid, generator) -> Float[B, H, T]`;
-    `needs_scores` says whether the pipeline must supply a scorer."""
+    """Base class. Subclasses implement `priority(scores, valid, generator) -> Float[B, H, T]` (adding a
+    `positions` parameter, `[B, H, T]` positions counted from each row's first token, when the rule reads them;
+    a `state` parameter, and a `(priority, new_state)` return, when it keeps layer state); `needs_scores` says
+    whether the pipeline must supply a scorer. A selector whose kept set is not "the top of one priority"
+    (whole blocks, per-head counts) overrides `choose`, which gets every argument; `__call__` and `apply` stay
+    the base class's, so every selector has one call shape."""
 
     needs_scores: bool = True
     ragged: bool = False  # True when kept counts may differ between rows and heads (paged storage)
@@ -123,6 +127,54 @@ class Selector(Block):
 
         `host_budget`: `budget` on the host (the pipeline has it), so the selection needs no host sync;
         `may_overflow=False`: the caller knows no head protects more tokens than its budget."""
+        return self.apply(scores, protected, valid, budget, generator, need_order, positions,
+                          host_budget=host_budget, may_overflow=may_overflow)[0]
+
+    def apply(
+        self,
+        scores: Float[Tensor, "B H T"] | None,
+        protected: Bool[Tensor, "B H T"],
+        valid: Bool[Tensor, "B H T"],
+        budget: Int[Tensor, "B H"],
+        generator: torch.Generator | None = None,
+        need_order: bool = False,
+        positions: Int[Tensor, "B H T"] | None = None,
+        state: Any = None,
+        *,
+        host_budget: np.ndarray | None = None,
+        may_overflow: bool = True,
+    ) -> tuple[tuple[Int[Tensor, "B H K"], Int[Tensor, "B H T"] | None], Any]:
+        """`((kept, order), new_state)`: the one call shape of every leaf role (the pipeline calls this)."""
+        extra = {"state": state} if accepts(type(self).choose, "state") else {}
+        out = self.choose(scores, protected, valid, budget, generator, need_order, positions,
+                          host_budget=host_budget, may_overflow=may_overflow, **extra)
+        return with_state(out, state, result_is_pair=True)
+
+    def _priority(self, scores, valid, generator, positions, state):
+        """`(priority, new_state)` of `priority`, given the positions and state where it takes them."""
+        kw = {}
+        if accepts(type(self).priority, "positions"):
+            kw["positions"] = positions
+        if accepts(type(self).priority, "state"):
+            kw["state"] = state
+        return with_state(self.priority(scores, valid, generator, **kw), state)
+
+    def choose(
+        self,
+        scores: Float[Tensor, "B H T"] | None,
+        protected: Bool[Tensor, "B H T"],
+        valid: Bool[Tensor, "B H T"],
+        budget: Int[Tensor, "B H"],
+        generator: torch.Generator | None = None,
+        need_order: bool = False,
+        positions: Int[Tensor, "B H T"] | None = None,
+        *,
+        host_budget: np.ndarray | None = None,
+        may_overflow: bool = True,
+        state: Any = None,
+    ) -> tuple[tuple[Int[Tensor, "B H K"], Int[Tensor, "B H T"] | None], Any]:
+        """The kept set: the top of `priority`, protected tokens first (see `__call__`); returns
+        `((kept, order), new_state)`."""
         if self.needs_scores and scores is None:
             raise KVComposeError(f"{type(self).__name__} needs scores but the pipeline has no scorer")
         if host_budget is not None:
@@ -130,7 +182,8 @@ class Selector(Block):
                 raise KVComposeError(f"budget must be positive, got min {int(host_budget.min())}")
         elif (budget <= 0).any():
             raise KVComposeError(f"budget must be positive, got min {int(budget.min())}")
-        raw = self.priority(scores, valid, generator).float()
+        raw, state = self._priority(scores, valid, generator, positions, state)
+        raw = raw.float()
         if host_budget is None:  # a standalone call: decide on the host, as always
             overflow: bool | Tensor = bool((protected.sum(-1) > budget).any())
         else:  # decided on the device (no host sync): both selections, one picked by the flag
@@ -147,7 +200,7 @@ class Selector(Block):
             kept = indices_from_priority(pri, budget, host_budget)
             if isinstance(overflow, Tensor):
                 kept = torch.where(overflow, _kept_from_order(order, budget, host_budget), kept)
-        return kept, (_kept_first(order, kept) if need_order else None)
+        return (kept, (_kept_first(order, kept) if need_order else None)), state
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -266,13 +319,15 @@ class BlockGranular(Selector):
         pipeline passes them); padding slots get -1."""
         return torch.where(valid, positions // self.block, torch.full_like(positions, -1))
 
-    def __call__(self, scores, protected, valid, budget, generator=None, need_order=False, positions=None):
+    def choose(self, scores, protected, valid, budget, generator=None, need_order=False, positions=None, *,
+               host_budget=None, may_overflow=True):
         if self.needs_scores and scores is None:
             raise KVComposeError(f"{type(self.inner).__name__} needs scores but the pipeline has no scorer")
         if positions is None:
             raise KVComposeError("BlockGranular needs the tokens' positions (call it through a Pipeline)")
         b, h, t = valid.shape
-        raw = torch.nan_to_num(self.priority(scores, valid, generator).float(), nan=-3e38, posinf=3e38, neginf=-3e38)
+        raw = torch.nan_to_num(self.inner._priority(scores, valid, generator, positions, None)[0].float(), nan=-3e38,
+                               posinf=3e38, neginf=-3e38)
         blk = self.blocks_of(positions, valid)
         # segment id of each slot: slots of one block are consecutive (positions ascend along T)
         start = torch.ones_like(blk, dtype=torch.bool)

@@ -43,3 +43,11 @@ def unchecked():
     jaxtyping.config.update("jaxtyping_disable", True)
     yield
     jaxtyping.config.update("jaxtyping_disable", False)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny chat model saved to a folder (`--model` of the command line tests), once per module."""
+    from kvcompose.testing import save_tiny_chat_model
+
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")

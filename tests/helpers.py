@@ -83,3 +83,20 @@ def random_view(b=2, h=2, t=40, d=8, g=2, w=8, prompt=10, seen=None, pad=None, s
         scale=d**-0.5, generator=torch.Generator().manual_seed(seed + 1), event=0, rows=rows,
         cache_budget=cache_budget,
     )
+
+
+def padded_inputs(b=2, t=12, vocab=128, pad=(3, 0), seed=0):
+    """(ids, attention mask) `[b, t]`: random tokens, row r left-padded by `pad[r]` tokens (id 0)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    for row, n in enumerate(pad[:b]):
+        ids[row, :n] = 0
+        mask[row, :n] = 0
+    return ids, mask
+
+
+def greedy_n(model, ids, mask, cache, n=24):
+    """Exactly `n` greedy tokens through `cache`."""
+    return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n,
+                          do_sample=False, min_new_tokens=n)

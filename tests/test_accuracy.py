@@ -11,19 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcompose import KVComposeError, cli
+from kvcompose import KVComposeError, methods
+from kvcompose.bench import cli
 from kvcompose.bench import accuracy as acc
-from kvcompose.testing import save_tiny_chat_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +194,7 @@ def test_accelerate_two_processes_equal_one(tiny_dir, questions, tmp_path):
     # `--multi_gpu` is accelerate's multi-process (torchrun) launcher; with no GPU, kvcompose picks gloo on CPU
     two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                          "-m", "kvcompose.cli", *args, "--out", str(tmp_path / "two")],
+                          "-m", "kvcompose.bench.cli", *args, "--out", str(tmp_path / "two")],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "over 2 process(es)" in two.stdout
@@ -217,13 +212,12 @@ def test_device_map_model_keeps_each_layer_kv_on_its_device(tiny_dir, questions,
     the incoming keys, so on several GPUs each layer's KV is on its layer's device (see docs/scale.md)."""
     pytest.importorskip("accelerate")
     from kvcompose import KVComposeCache
-    from kvcompose.bench.run import make_pipeline
 
     cfg = acc.AccuracyConfig(model=tiny_dir, data=questions, device_map="auto", methods=["h2o"], budgets=[16],
                              interval=8, max_new_tokens=24, limit=2, batch_size=2, out=str(tmp_path / "dm"),
                              progress=False)
     model, tok = acc._load(cfg, acc._Dist())
-    cache = KVComposeCache(model, make_pipeline("h2o", 16), budget=16, interval=8)
+    cache = KVComposeCache(model, methods.preset("h2o", budget=16), budget=16, interval=8)
     res = acc.generate_batch(model, tok, ["Ann has 3 cats.", "Bob has 2 dogs and 1 cat."], cache, 24)
     assert len(res["texts"]) == 2 and max(res["new_tokens"]) > 8
     for i, layer in enumerate(cache.layers):

@@ -1,4 +1,4 @@
-"""Where the benchmarks' questions come from (kvcompose.bench.data): local JSONL, the Hugging Face hub (a fake
+"""Where the benchmarks' questions come from (kvcompose.data): local JSONL, the Hugging Face hub (a fake
 loader here: the hub is not reachable from CI), $KVCOMPOSE_GSM8K, and the error when there is none."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvcompose import KVComposeError
-from kvcompose.bench import data
+from kvcompose import data
 
 
 @pytest.fixture
@@ -99,7 +99,7 @@ def test_real_datasets_loader_offline_gives_the_clear_error(tmp_path):
     """The real `datasets.load_dataset` with the hub switched off and an empty cache (as on CI)."""
     pytest.importorskip("datasets")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    code = ("from kvcompose.bench.data import resolve_questions\n"
+    code = ("from kvcompose.data import resolve_questions\n"
             "from kvcompose import KVComposeError\n"
             "try:\n    resolve_questions(dataset='math500')\nexcept KVComposeError as e:\n    print('ERR', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

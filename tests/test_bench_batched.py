@@ -113,13 +113,6 @@ def test_batch_refuses_unequal_traces():
 
 # ------------------------------------------------------------------------------ the CLI: batches, resume, held out
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from kvcompose.testing import save_tiny_chat_model
-
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
 def grouped_questions(tmp_path_factory):
     """Ten questions, character-tokenized: three of 31 characters, three of 40, four of 34 (lengths repeat)."""
     import json
@@ -133,7 +126,7 @@ def grouped_questions(tmp_path_factory):
 
 
 def _fid(tiny_dir, data, out, *extra):
-    from kvcompose import cli
+    from kvcompose.bench import cli  # the `kvcompose` script: library commands + bench
 
     return cli.main(["bench", "fidelity", "--model", tiny_dir, "--data", data, "--new-tokens", "24", "--kinds", "sampled",
                      "--budgets", "40", "--interval", "8", "--short-budgets", "--free-gen-prompts", "0",
@@ -145,7 +138,7 @@ def test_cli_batches_resumes_and_holds_out(tiny_dir, grouped_questions, tmp_path
 
     from kvcompose.bench import fidelity, run
     from kvcompose.testing import tiny_chat_model
-    from kvcompose.bench.traces import prompt_ids
+    from kvcompose.traces import prompt_ids
 
     pipes = tmp_path / "pipes.py"
     pipes.write_text("from kvcompose import Pipeline, ProtectPrompt, KeyNorm, TopK\n"
@@ -213,7 +206,7 @@ def test_reused_traces_are_cut_to_new_tokens(tiny_dir, grouped_questions, tmp_pa
     full, cut = tmp_path / "full", tmp_path / "cut"
     args = ["--groups", "1", "--group-size", "2", "--batch-size", "2", "--methods", "h2o"]
     assert _fid(tiny_dir, grouped_questions, full, *args) == 0
-    from kvcompose import cli
+    from kvcompose.bench import cli  # the `kvcompose` script: library commands + bench
 
     assert cli.main(["bench", "fidelity", "--model", tiny_dir, "--data", grouped_questions, "--new-tokens", "16",
                      "--kinds", "sampled", "--budgets", "40", "--interval", "8", "--short-budgets",

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvcompose import BlockGranular, BlockProtectValueNorm, ProtectRecent, RequestBlocks, VotingValueProtect, methods
-from kvcompose.paged_blocks import RequestSchedule
+from kvcompose import BlockGranular, ProtectRecent, methods
+from kvcompose.bench.paged_blocks import BlockProtectValueNorm, RequestBlocks, VotingValueProtect
+from kvcompose.bench.paged_blocks import RequestSchedule
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "block_granular_table.py"
 _spec = importlib.util.spec_from_file_location("block_granular_table", _PATH)

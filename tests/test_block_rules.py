@@ -31,10 +31,10 @@ from kvcompose.blocks import (
     HeadCurves, KeyDiff, LagKV, LeverageScore, MergeSimilar, NonCausalAttention, OutputProjection, Rotary,
 )
 from kvcompose.methods.reco import RewardAllocator
-from kvcompose.paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent, RequestSchedule, VotingValueProtect
+from kvcompose.bench.paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent, RequestSchedule, VotingValueProtect
 from kvcompose.reco.eviction import Lexicographic, StepReplay, StepRewardScore
 from kvcompose.seeding import derived_seed
-from zoo import PORTED, PRESETS, variant
+from zoo import PORTED, PRESETS, ids as _ids, variant
 
 from helpers import examples, random_view, ratio_curves, tree_model
 
@@ -45,10 +45,6 @@ ROPE, PROJ = Rotary.from_model(MODEL), OutputProjection.from_model(MODEL)
 STORES, TIERS = ("dense", "paged"), ("evict", "host", "hierarchy")
 CASES = {**{k: v for k, v in PRESETS.items()}, **{k: (lambda f: lambda: f(MODEL))(v) for k, v in PORTED.items()}}
 """name -> a builder of every preset (methods.PRESETS and methods.PORTED), scaled to the tiny model."""
-
-
-def _ids(n: int, seed: int = 0, rows: int = 1) -> torch.Tensor:
-    return torch.randint(3, 128, (rows, n), generator=torch.Generator().manual_seed(seed))
 
 
 # ---------------------------------------------------------------------------------------------- draws_random

@@ -393,3 +393,26 @@ def test_random_trees_match_full_recomputation(ops, tier, budget, seed):
             assert cache.memory().held_tokens <= budget or all(nd.compressed or nd.n <= 1 for nd in off)
     for b in cache.branches:
         assert torch.equal(cache.tokens(b), paths[b])
+
+
+@pytest.mark.parametrize("kind", ["flat", "branch"])
+def test_an_update_whose_attention_never_ran_is_refused_by_both_caches(kind):
+    """KVComposeCache and BranchCache share one glue (kvcompose.cache.CacheGlue): a layer updated without
+    kvcompose's attention seeing it (here: update called by hand) is named at the next step's
+    get_seq_length, by both caches (BranchCache had no such check before the glue was shared)."""
+    from kvcompose import KVComposeCache
+
+    model = tiny_model("llama", layers=2)
+    cache = KVComposeCache(model) if kind == "flat" else BranchCache(model)
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 6  # an ordinary step: nothing missed
+    cfg = model.config
+    kv = torch.zeros(1, cfg.num_key_value_heads, 1, cfg.hidden_size // cfg.num_attention_heads)
+    cache.update(kv, kv.clone(), 0)
+    with pytest.raises(KVComposeError, match="layer 0 of a kvcompose cache was updated, but kvcompose's attention "
+                                             "did not run for it"):
+        cache.get_seq_length()
+    with pytest.raises(KVComposeError, match="did not run for it"):  # and stays refused
+        cache.get_seq_length()

@@ -13,23 +13,9 @@ from kvcompose import (
     KVComposeCache, KVComposeError, Pipeline, ProtectRecent, ProtectSinks, RandomDrop, TopK, ValueNorm, methods,
 )
 from kvcompose.testing import tiny_model
+from helpers import greedy_n as _greedy, padded_inputs as _inputs
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
-
-
-def _inputs(b=2, t=12, vocab=128, pad=(3, 0), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (b, t), generator=g)
-    mask = torch.ones(b, t, dtype=torch.long)
-    for row, n in enumerate(pad[:b]):
-        ids[row, :n] = 0
-        mask[row, :n] = 0
-    return ids, mask
-
-
-def _greedy(model, ids, mask, cache, n=24):
-    return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n,
-                          do_sample=False, min_new_tokens=n)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

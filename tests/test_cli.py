@@ -4,17 +4,11 @@ import json
 
 import pytest
 
-from kvcompose import cli
+from kvcompose.bench import cli  # the `kvcompose` script: library commands + bench
 from kvcompose.bench import run as bench_run
-from kvcompose.testing import save_tiny_chat_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models run fastest on one thread
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The command line checks its arguments and paths before loading a model: a bad one ends the command with exit
 code 2, one line naming it, and no output left behind (issue item 7). The observed cases run the real entry
 point (`kvcompose ...` in a subprocess, all at once: each one starts Python, torch and transformers); the checks
-of every subcommand's numbers and paths run in-process through `kvcompose.cli.main`."""
+of every subcommand's numbers and paths run in-process through the `kvcompose` script's `main` (kvcompose.bench.cli)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from kvcompose import cli
+from kvcompose.bench import cli  # the `kvcompose` script: library commands + bench
 
 
 def _entry_point() -> list[str]:
+    import importlib.metadata as md
+    import tomllib
+
+    want = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    installed = [e.value for e in md.entry_points(group="console_scripts", name="kvcompose")]
+    if installed and installed[0] != want["kvcompose"]:  # installed from an older checkout: run what it now names
+        return [sys.executable, "-m", want["kvcompose"].split(":")[0]]
     exe = Path(sys.executable).with_name("kvcompose")
     if exe.exists():
         return [str(exe)]

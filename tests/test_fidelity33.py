@@ -14,13 +14,6 @@ import fidelity33  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from kvcompose.testing import save_tiny_chat_model
-
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
 def questions(tmp_path_factory):
     """Nine character-tokenized questions, three of each of three lengths."""
     qs = [f"Ann has {i} red pens. How many?" for i in range(3)] + \
@@ -91,7 +84,9 @@ def test_profiled_presets_run_in_the_bench(tiny_dir, questions, tmp_path, monkey
     $KVCOMPOSE_DUO_PROFILE / $KVCOMPOSE_LUKV_CURVES, run as bench methods; without the file, a clear error."""
     import profiled
 
-    from kvcompose import KVComposeError, cli
+    from kvcompose import KVComposeError
+
+    from kvcompose.bench import cli
 
     with pytest.raises(KVComposeError, match="KVCOMPOSE_DUO_PROFILE"):
         monkeypatch.delenv("KVCOMPOSE_DUO_PROFILE", raising=False)

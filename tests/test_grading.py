@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcompose.bench.data import load_questions
+from kvcompose.data import load_questions
 from kvcompose.bench.grading import answers_agree, as_number, extract_final_answer, grade
 
 mv = pytest.importorskip("math_verify")  # the eval extra; CI installs it

@@ -377,3 +377,22 @@ def test_bad_layer_index_is_a_clear_error():
     for bad in (2, 5):
         with pytest.raises(KVComposeError, match="layer"):
             cache.kept_positions(bad)
+
+
+def test_the_frame_walk_runs_only_without_transformers_signal(monkeypatch):
+    """On transformers 5.23+ generate signals assisted decoding to the cache (`activate_past_recording`, refused),
+    so kvcompose's attention never walks the stack; on 5.2 it does, on multi-token forwards only."""
+    from kvcompose import attention as kattn_mod, compat
+
+    calls = []
+    monkeypatch.setattr(kattn_mod, "in_assisted_generation", lambda: calls.append(1) or False)
+    model = tiny_model("llama", layers=2)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    _greedy_tokens(model, ids, KVComposeCache(model, methods.rkv(), budget=12, interval=4), n=4)
+    assert compat.assisted_signal() == (compat.transformers_version() >= (5, 23))
+    if compat.assisted_signal():
+        assert calls == []
+        with pytest.raises(KVComposeError, match="assisted"):
+            KVComposeCache(model).activate_past_recording()
+    else:
+        assert len(calls) == model.config.num_hidden_layers  # the prefill's layers; single-token steps never walk

@@ -58,7 +58,7 @@ def test_press_batches_group_equal_lengths_and_refuse_padding():
 def test_cli_runs_kvpress_in_process_on_the_same_references(tmp_path):
     import json
 
-    from kvcompose import cli
+    from kvcompose.bench import cli  # the `kvcompose` script: library commands + bench
     from kvcompose.testing import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model")

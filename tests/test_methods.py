@@ -206,3 +206,63 @@ def test_every_preset_runs_in_generate(name):
         for i, held in enumerate(cache.held_lengths()):
             assert held < cache.layer_budget(i) + 8
     assert cache.get_seq_length() == 131
+
+
+# ---- the one factory: methods.preset(name, budget=..., model=..., **args) ----
+
+def _recent(pipe) -> int:
+    from kvcompose.protectors import ProtectRecent
+
+    return next(p.n for p in pipe.protectors if isinstance(p, ProtectRecent))
+
+
+@pytest.mark.parametrize("name", ["random_attention", "vase"])
+def test_preset_decides_its_budget_defaults(name):
+    # below budget 256 the recent window is budget // 4 (capped at 64); at 256 and without a budget it is 64
+    assert [methods.recent_window(b) for b in (None, 2, 64, 128, 255, 256, 4096)] == [64, 1, 16, 32, 63, 64, 64]
+    assert _recent(methods.preset(name, budget=64)) == 16
+    assert _recent(methods.preset(name, budget=128)) == 32
+    assert _recent(methods.preset(name, budget=512)) == 64
+    assert _recent(methods.preset(name)) == 64
+    # the same pipeline as the function called with the window the budget asks for
+    assert repr(methods.preset(name, budget=64)) == repr(methods.PRESETS[name](recent=16))
+    # an explicit argument wins over the budget's default
+    assert _recent(methods.preset(name, budget=64, recent=8)) == 8
+
+
+def test_preset_without_budget_defaults_ignores_the_budget():
+    assert repr(methods.preset("rkv", budget=64)) == repr(methods.rkv())
+    assert repr(methods.preset("snapkv", budget=64, window=16)) == repr(methods.snapkv(window=16))
+
+
+def test_preset_refuses_bad_input_by_name(unchecked):
+    from kvcompose import KVComposeError
+
+    with pytest.raises(KVComposeError, match="unknown preset 'nope'"):
+        methods.preset("nope")
+    with pytest.raises(KVComposeError, match=r"preset 'rkv' takes no argument 'bogus'.*window"):
+        methods.preset("rkv", bogus=1)
+    with pytest.raises(KVComposeError, match="preset 'keydiff' takes no argument 'bogus'"):
+        methods.preset("keydiff", bogus=1)
+    for bad in (0, -3, 1.5, "64", True):
+        with pytest.raises(KVComposeError, match="budget must be a positive int"):
+            methods.preset("h2o", budget=bad)
+
+
+def test_every_entry_point_uses_the_one_factory():
+    """The CLI, lm-eval and the benchmarks build a method through `methods.preset` (no second factory)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    files = [*root.joinpath("kvcompose").rglob("*.py"), *root.joinpath("benchmarks").glob("*.py")]
+    offenders = []
+    for f in files:
+        if "vllm" in f.parts or f.name.startswith("vllm_"):
+            continue  # the vLLM route moves with the serving issues
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef) and node.name == "make_pipeline":
+                offenders.append(f"{f.relative_to(root)}: def make_pipeline")
+            if isinstance(node, ast.ImportFrom) and any(a.name == "make_pipeline" for a in node.names):
+                offenders.append(f"{f.relative_to(root)}: imports make_pipeline")
+    assert not offenders, offenders

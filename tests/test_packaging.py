@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import kvcompose
-from kvcompose import cli
+from kvcompose.bench import cli  # the `kvcompose` script: library commands + bench
 from kvcompose.bench import external
 
 PKG = Path(kvcompose.__file__).resolve().parent
@@ -103,12 +103,12 @@ def test_help_needs_no_optional_dependency(command, monkeypatch, capsys):
 
 
 def test_an_optional_import_failing_on_the_way_names_its_extra(monkeypatch, capsys):
-    from kvcompose.bench import run as bench_run
+    from kvcompose import models
 
     def no_gguf(*a, **k):
         raise ModuleNotFoundError("No module named 'gguf'", name="gguf")
 
-    monkeypatch.setattr(bench_run, "load_model", no_gguf)
+    monkeypatch.setattr(models, "load_model", no_gguf)
     assert cli.main(["generate", "--question", "1+1?", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("kvcompose: error: `kvcompose generate` needs the optional module gguf: "
@@ -117,7 +117,7 @@ def test_an_optional_import_failing_on_the_way_names_its_extra(monkeypatch, caps
     def no_other(*a, **k):
         raise ModuleNotFoundError("No module named 'somethingelse'", name="somethingelse")
 
-    monkeypatch.setattr(bench_run, "load_model", no_other)
+    monkeypatch.setattr(models, "load_model", no_other)
     with pytest.raises(ModuleNotFoundError):  # not an optional dependency of ours: a real error, not hidden
         cli.main(["generate", "--question", "1+1?", "--no-progress"])
 

@@ -1,4 +1,4 @@
-"""kvcompose.paged_blocks: VaSE's value protection by whole blocks stays inside the budget where the token
+"""kvcompose.bench.paged_blocks: VaSE's value protection by whole blocks stays inside the budget where the token
 protector inside a block selector does not; a request-wide event keeps one block set for every layer and KV
 head, ranks blocks by their priority averaged over layers and heads, and with per-layer decisions
 reproduces the per-layer-row variant exactly; bad use is refused by name."""
@@ -12,14 +12,15 @@ from jaxtyping import TypeCheckError
 
 from helpers import examples, random_view
 from kvcompose import (
-    BlockGranular, BlockProtectValueNorm, KVComposeCache, KVComposeError, Pipeline, ProtectRecent, ProtectValueNorm,
-    Pyramid, RequestBlocks, RequestEvent, Sample, TopK, ValueNorm, VotingValueProtect, methods,
+    BlockGranular, KVComposeCache, KVComposeError, Pipeline, ProtectRecent, ProtectValueNorm, Pyramid, Sample, TopK,
+    ValueNorm, methods,
 )
+from kvcompose.bench.paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent, VotingValueProtect
 from kvcompose.bench.fidelity import teacher_force_logits
 from kvcompose.testing import tiny_model
-from kvcompose.bench.traces import Trace
+from kvcompose.traces import Trace
 from kvcompose.kernels import value_magnitude
-from kvcompose.paged_blocks import block_granular, request_pipeline
+from kvcompose.bench.paged_blocks import block_granular, request_pipeline
 
 # a wrong type is caught by the session's type checker, or (without it) by the block's own check
 WRONG_TYPE = (KVComposeError, TypeCheckError, BeartypeCallHintParamViolation)

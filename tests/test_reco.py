@@ -101,14 +101,6 @@ def hf_char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="\x00", eos_token="\x03")
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_llama_config(**kw):
     return LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -31,12 +31,7 @@ from kvcompose.reco import (
     StepReward,
 )
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's: one torch thread for the module
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from kvcompose import (
 )
 from kvcompose.testing import tiny_model
 from kvcompose.blocks import MergeSimilar
-from kvcompose.paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent
+from kvcompose.bench.paged_blocks import BlockProtectValueNorm, RequestBlocks, RequestEvent
 from kvcompose.reco.eviction import Lexicographic
 from kvcompose.scorers import Combined
 

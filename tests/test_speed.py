@@ -97,7 +97,7 @@ def test_decode_interleaved_rows_and_ratios():
 
 
 def test_bench_speed_cli_report_and_plot(tmp_path):
-    from kvcompose import cli
+    from kvcompose.bench import cli  # the `kvcompose` script: library commands + bench
     from kvcompose.testing import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model")
@@ -151,7 +151,7 @@ def test_kvpress_json_parsing(tmp_path):
 
 def test_bench_speed_merges_reused_kvpress_json(tmp_path):
     """--kvpress-json: kvpress's rows are merged and each analogue row gets kvpress's ratio and ours over it."""
-    from kvcompose import cli
+    from kvcompose.bench import cli  # the `kvcompose` script: library commands + bench
     from kvcompose.testing import save_tiny_chat_model
 
     model_dir = save_tiny_chat_model(tmp_path / "model")

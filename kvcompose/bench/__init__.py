@@ -1,7 +1,8 @@
 """Benchmarks: fidelity to the full cache (teacher-forced traces), accuracy on math benchmarks, decoding speed.
 
-- `kvcompose.bench.data`: questions (local JSONL, Hugging Face datasets, built-in demo questions).
-- `kvcompose.bench.traces`: full-cache reference traces; `kvcompose.bench.metrics`: KL, top-1, perplexity ratio.
+- `kvcompose.data`, `kvcompose.traces` (in the library: calibration reads them too): questions (local JSONL,
+  Hugging Face datasets, built-in demo questions) and full-cache reference traces.
+- `kvcompose.bench.metrics`: KL, top-1, perplexity ratio.
 - `kvcompose.bench.fidelity`: teacher forcing through any cache, free generation (the fidelity runner).
 - `kvcompose.bench.grading`: answer grading with math-verify plus GSM8K's `#### n` and a last-number fallback.
 - `kvcompose.bench.accuracy`: accuracy vs KV budget with batched generation, resumable JSONL, `accelerate`.
@@ -11,14 +12,14 @@
 - `kvcompose.bench.report`: JSON / Markdown / PNG output.
 - `kvcompose.bench.kvpress`: the side-by-side with NVIDIA kvpress (run in its own virtualenv).
 
-The command line is `kvcompose bench fidelity|accuracy|speed|steptime|throughput ...` (see `kvcompose.cli`).
+The command line is `kvcompose bench fidelity|accuracy|speed|steptime|throughput ...` (`kvcompose.bench.cli`).
 """
 
-from .data import DATASETS, load_hf_dataset, load_questions, resolve_questions
+from ..data import DATASETS, load_hf_dataset, load_questions, resolve_questions
 from .fidelity import FidelityResult, FreeGenResult, TraceScore, evaluate, free_generation
 from .grading import extract_final_answer, grade
 from .metrics import extract_answer, gsm8k_answer, kl_divergence, perplexity_ratio, top1_agreement
-from .traces import Trace, make_traces
+from ..traces import Trace, make_traces
 
 __all__ = [
     "Trace", "TraceScore", "FidelityResult", "FreeGenResult", "load_questions", "make_traces", "evaluate",

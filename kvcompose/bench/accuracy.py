@@ -339,19 +339,21 @@ def generate_batch(model, tok, questions: list[str], cache, max_new_tokens: int,
 def _make_cache(model, method: str, budget: int | None, cfg: AccuracyConfig, sample: int):
     from .. import methods as _methods
     from ..cache import KVComposeCache
-    from .common import make_pipeline
+    from ..methods import preset
+    from ..seeding import derived_seed
 
-    kw: dict[str, Any] = {"seed": cfg.seed * 1_000_003 + sample}
+    kw: dict[str, Any] = {"seed": derived_seed(cfg.seed, sample)}
     if method == "full":
         return KVComposeCache(model, _methods.full(), **kw)
     if cfg.interval is not None:  # otherwise the preset's own default interval
         kw["interval"] = cfg.interval
-    return KVComposeCache(model, make_pipeline(method, budget), budget=budget, **kw)
+    return KVComposeCache(model, preset(method, budget=budget), budget=budget, **kw)
 
 
 def _validate(cfg: AccuracyConfig) -> list[tuple[str, int | None]]:
     from .. import methods as _methods
-    from .common import make_pipeline
+    from ..methods import preset
+    from ..seeding import derived_seed
 
     for name in ("samples", "max_new_tokens", "batch_size"):
         v = getattr(cfg, name)
@@ -380,7 +382,7 @@ def _validate(cfg: AccuracyConfig) -> list[tuple[str, int | None]]:
         if not isinstance(b, int) or b <= 0:
             raise KVComposeError(f"budgets must be positive integers, got {b!r}")
         for m in compressing:
-            make_pipeline(m, b).validate(b)
+            preset(m, budget=b).validate(b)
     runs: list[tuple[str, int | None]] = [("full", None)] if "full" in cfg.methods else []
     return runs + [(m, b) for m in compressing for b in cfg.budgets]
 
@@ -420,11 +422,11 @@ def run_accuracy(cfg: AccuracyConfig, log=print, loader=None) -> dict[str, Any] 
 
     Args:
         cfg: the settings.
-        loader: a fake hub loader for tests (see `kvcompose.bench.data.load_hf_dataset`).
+        loader: a fake hub loader for tests (see `kvcompose.data.load_hf_dataset`).
     """
     from tqdm.auto import tqdm
 
-    from .data import resolve_questions
+    from ..data import resolve_questions
     from .grading import grade
 
     runs = _validate(cfg)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .traces import Trace
+from ..traces import Trace
 
 
 # ------------------------------------------------------------------------------------------ references

@@ -21,6 +21,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from ..models import TokenClock  # noqa: F401  (re-exported; one copy, in the library)
 from ..view import KVComposeError
 
 __all__ = ["TokenClock", "ideal_cache", "full_cache", "kv_bytes", "held_tokens", "Contender", "DecodeTrace",
@@ -30,38 +31,6 @@ __all__ = ["TokenClock", "ideal_cache", "full_cache", "kv_bytes", "held_tokens",
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class TokenClock:
-    """A `generate` streamer that stamps each generated token (and can tick a tqdm bar).
-
-    `decode_seconds` runs from the first generated token (after the prefill) to the last, so the prefill
-    is not counted; `decode_tokens_per_s` is per sequence (multiply by the batch size for a batch)."""
-
-    def __init__(self, device: torch.device, bar=None):
-        self.device, self.bar = device, bar
-        self.stamps: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value) -> None:
-        if not self._prompt_seen:  # generate first hands over the prompt
-            self._prompt_seen = True
-            return
-        _sync(self.device)
-        self.stamps.append(time.perf_counter())
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def end(self) -> None:
-        pass
-
-    @property
-    def decode_seconds(self) -> float:
-        return self.stamps[-1] - self.stamps[0] if len(self.stamps) > 1 else float("nan")
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return (len(self.stamps) - 1) / self.decode_seconds if len(self.stamps) > 1 else float("nan")
 
 
 # ------------------------------------------------------------------------------------------ caches

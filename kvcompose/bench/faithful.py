@@ -45,7 +45,7 @@ from ..selectors import RandomDrop, Sample, TopK
 from ..view import KVComposeError
 from .fidelity import FidelityResult, evaluate_trace, free_generation
 from .report import fmt
-from .traces import RepetitionGuard, Trace, make_traces
+from ..traces import RepetitionGuard, Trace, make_traces
 
 __all__ = ["Variant", "engine_recent", "random_attention_rows", "vase_rows", "TABLES", "repetition_stats",
            "FaithfulConfig", "run_table", "table_markdown", "main"]
@@ -227,7 +227,7 @@ def _stochastic(pipe: Pipeline) -> bool:
 def _references(cfg: FaithfulConfig, model, tok, log) -> tuple[list[dict], list[Trace]]:
     """(the questions of free generation, the traces): reused from `cfg.traces` (a fidelity run's traces.json)
     or made exactly as `kvcompose bench fidelity` makes them (same question choice, seed and repetition guard)."""
-    from .data import default_data_path, load_questions, resolve_questions
+    from ..data import default_data_path, load_questions, resolve_questions
     from .run import select_questions
 
     path = cfg.data or default_data_path()

@@ -1,6 +1,6 @@
 """Fidelity to the full cache: teacher forcing of reference traces through a compressing cache, and free generation.
 
-The pieces live in three modules: `kvcompose.bench.data` (questions), `kvcompose.bench.traces` (reference
+The pieces live in three modules: `kvcompose.data` (questions), `kvcompose.traces` (reference
 traces), `kvcompose.bench.metrics` (KL, top-1, perplexity ratio, answer extraction); this module is the runner.
 Their public names stay importable from here and from `kvcompose.bench`.
 
@@ -47,13 +47,13 @@ import torch
 from torch import Tensor
 
 from ..view import KVComposeError
-from .data import load_questions
+from ..data import load_questions
 from .metrics import (
     BOOTSTRAP_RESAMPLES, bootstrap_mean, extract_answer, gsm8k_answer, kl_divergence, perplexity_ratio, top1_agreement,
 )
 from .freegen import FreeGenResult, FreeGenRow, free_generation
 from .scoring import HiddenReference, ReferenceStats, RowScores, head_logits, linear_head
-from .traces import RECALL_INSTRUCTION, RepetitionGuard, Trace, _device, make_traces, prompt_ids, recall_ids
+from ..traces import RECALL_INSTRUCTION, RepetitionGuard, Trace, _device, make_traces, prompt_ids, recall_ids
 
 __all__ = [
     "Trace", "TraceScore", "FidelityResult", "FreeGenResult", "FreeGenRow", "RepetitionGuard",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .metrics import extract_answer, gsm8k_answer
-from .traces import _device, prompt_ids
+from ..traces import _device, prompt_ids
 
 
 # ------------------------------------------------------------------------------------ free generation

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..view import KVComposeError
 from .fidelity import HiddenReference, RowScores, TraceScore, _decoder, _device, hidden_references
-from .traces import Trace
+from ..traces import Trace
 
 __all__ = ["PRESSES", "press_names", "base_press", "sorted_press", "make_press", "press_batches", "evaluate_press_batch",
            "kvpress_version"]

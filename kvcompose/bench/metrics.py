@@ -10,12 +10,12 @@ compressing cache's, and the final number of a GSM8K-style answer.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable
 
 from jaxtyping import Float
 from torch import Tensor
 
+from ..data import extract_answer, gsm8k_answer, norm_number  # noqa: F401  (re-exported: one copy, in the library)
 from ..view import KVComposeError
 
 __all__ = ["kl_divergence", "top1_agreement", "perplexity_ratio", "extract_answer", "gsm8k_answer", "norm_number",
@@ -100,27 +100,3 @@ def bootstrap_ratio(sums_a, counts_a, sums_b, counts_b, level: float = 0.95, res
     return ratio, lo, hi
 
 
-_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def norm_number(s: str) -> str | None:
-    """The last number in `s` as a plain string: commas removed, trailing zeros of decimals dropped."""
-    m = _NUM.findall(s)
-    if not m:
-        return None
-    x = m[-1].replace(",", "")
-    if "." in x:
-        x = x.rstrip("0").rstrip(".")
-    return x
-
-
-def gsm8k_answer(answer: str | None) -> str | None:
-    """The number after GSM8K's `####` (commas removed), or None."""
-    if not answer or "####" not in answer:
-        return None
-    return norm_number(answer.split("####")[-1].strip())
-
-
-def extract_answer(text: str) -> str | None:
-    """The last number in a generated answer (commas removed, trailing zeros of decimals dropped)."""
-    return norm_number(text)

@@ -169,7 +169,7 @@ def _scores(m: ModelShape, batch: int, t: float, n_sorts: int = 2) -> float | in
 def _preset(name: Any) -> Any:
     from .. import methods
 
-    return methods.PRESETS[name]() if isinstance(name, str) else name
+    return methods.preset(name) if isinstance(name, str) else name
 
 
 def step_cost(name: Any, seen: int, budget: int, m: ModelShape = QWEN3_8B, hw: Hardware = H200,

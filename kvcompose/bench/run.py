@@ -20,13 +20,13 @@ from .. import methods as _methods
 from ..cache import KVComposeCache
 from ..view import KVComposeError
 from . import report
-from .common import _DTYPES, COMPRESSING, load_model, make_pipeline, versions  # noqa: F401
-from .data import default_data_path, load_questions, resolve_questions
+from .common import _DTYPES, COMPRESSING, load_model, versions  # noqa: F401
+from ..data import default_data_path, load_questions, resolve_questions
 from .cells import _cell_path, _load_scores, _read_cell, _save_scores, references_for  # noqa: F401
 from .fidelity import FidelityResult, evaluate_trace, free_generation
-from .traces import RepetitionGuard, Trace, make_traces, prompt_ids
+from ..traces import RepetitionGuard, Trace, make_traces, prompt_ids
 
-__all__ = ["FidelityConfig", "run_fidelity", "select_questions", "make_pipeline", "load_model",
+__all__ = ["FidelityConfig", "run_fidelity", "select_questions", "load_model",
            "default_data_path", "versions", "render"]
 
 # ------------------------------------------------------------------------------------------ fidelity
@@ -318,7 +318,7 @@ def _known(name: str, custom: dict[str, Any]) -> bool:
 def _pipeline(name: str, budget: int | None, custom: dict[str, Any], model=None):
     """The pipeline `name`: from a pipelines file (`fn(budget)`, or `fn(budget, model=model)` when it takes a
     `model`), a preset ported from kvpress (`methods.preset(name, model=model)`: some need the model's rotary
-    embedding or output projections), or a preset at its published defaults (`make_pipeline`)."""
+    embedding or output projections), or a preset (`methods.preset(name, budget=budget)`)."""
     import inspect
 
     from ..pipeline import Pipeline
@@ -333,9 +333,7 @@ def _pipeline(name: str, budget: int | None, custom: dict[str, Any], model=None)
         if not isinstance(pipe, Pipeline):
             raise KVComposeError(f"pipeline {name!r} returned {type(pipe).__name__}, not a kvcompose Pipeline")
         return pipe
-    if name not in _methods.PRESETS and name in getattr(_methods, "PORTED", {}):
-        return _methods.preset(name, model=model)
-    return make_pipeline(name, budget)
+    return _methods.preset(name, budget=budget, model=model)
 
 
 def _kvpress_engine() -> str:

@@ -32,7 +32,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from .metrics import kl_divergence, top1_agreement
-from .traces import Trace, _device
+from ..traces import Trace, _device
 
 __all__ = ["head_logits", "HiddenReference", "ReferenceStats", "RowScores", "linear_head"]
 

@@ -81,7 +81,7 @@ class SpeedConfig:
 
 def _contenders(model, cfg: SpeedConfig, log) -> tuple[list[Contender], dict[str, str]]:
     from ..cache import KVComposeCache
-    from .common import make_pipeline
+    from ..methods import preset
 
     rows: list[Contender] = []
     errors: dict[str, str] = {}
@@ -90,7 +90,7 @@ def _contenders(model, cfg: SpeedConfig, log) -> tuple[list[Contender], dict[str
                               "sdpa", budget=cfg.budget))
     rows.append(Contender("full (DynamicCache, sdpa)", "full", full_cache(model), "sdpa"))
     for m in cfg.methods:
-        pipe = make_pipeline(m, None if m == "full" else cfg.budget)
+        pipe = preset(m, budget=None if m == "full" else cfg.budget)
         kw = {} if cfg.interval is None else {"interval": cfg.interval}
         budget = None if m == "full" else cfg.budget
         try:  # a method that cannot work at this budget (or on this model) ends the run before any decoding
@@ -109,7 +109,7 @@ def run_speed(cfg: SpeedConfig, log=print) -> dict[str, Any]:
     `speed.md` and `speed.png` to `cfg.out` and returns the JSON-ready dict."""
     from .. import methods as _methods
     from ..models import chat_inputs
-    from .data import demo_question
+    from ..data import demo_question
     from .common import load_model, versions
 
     if cfg.methods is None:

@@ -137,10 +137,10 @@ class StepTimeConfig:
 
 def _kvc(model, method: str, budget: int | None, interval: int | None, seed: int):
     from ..cache import KVComposeCache
-    from .common import make_pipeline
+    from ..methods import preset
 
     kw = {} if interval is None else {"interval": interval}
-    cache = KVComposeCache(model, make_pipeline(method, budget), budget=budget, seed=seed, **kw)
+    cache = KVComposeCache(model, preset(method, budget=budget), budget=budget, seed=seed, **kw)
     return cache, model.config._attn_implementation
 
 

@@ -113,7 +113,8 @@ def run_throughput(cfg: ThroughputConfig, log=print, model_and_tokenizer=None) -
     is loaded."""
     from .. import methods as _methods
     from ..cache import KVComposeCache
-    from .common import load_model, make_pipeline, versions
+    from .common import load_model, versions
+    from ..methods import preset
 
     for m in cfg.methods:
         if m not in _methods.PRESETS or m == "full":
@@ -142,7 +143,7 @@ def run_throughput(cfg: ThroughputConfig, log=print, model_and_tokenizer=None) -
     kw = {} if cfg.interval is None else {"interval": cfg.interval}
     for m in cfg.methods:  # a method that cannot work at this budget (or on this model) ends the run before decoding
         try:
-            KVComposeCache(model, make_pipeline(m, cfg.budget), budget=cfg.budget, seed=cfg.seed, **kw)
+            KVComposeCache(model, preset(m, budget=cfg.budget), budget=cfg.budget, seed=cfg.seed, **kw)
         except KVComposeError as e:
             raise KVComposeError(f"{m} at budget {cfg.budget}: {e}") from None
     # the full cache first
@@ -157,7 +158,7 @@ def run_throughput(cfg: ThroughputConfig, log=print, model_and_tokenizer=None) -
                                 attention_mask=am))
     for m in cfg.methods:
         try:
-            probe = KVComposeCache(model, make_pipeline(m, cfg.budget), budget=cfg.budget, seed=cfg.seed, **kw)
+            probe = KVComposeCache(model, preset(m, budget=cfg.budget), budget=cfg.budget, seed=cfg.seed, **kw)
             interval = probe.interval
             formula = held_bound(m, p_max, cfg.new_tokens, cfg.budget, interval)
             # calibrate: one sequence with the longest prompt through two compression events; the buffers it
@@ -174,7 +175,7 @@ def run_throughput(cfg: ThroughputConfig, log=print, model_and_tokenizer=None) -
             b = plan_batch(mem, per_tok, hb, cfg.max_batch)
             plans.append({"name": m, "method": m, "held_bound": hb, "held_formula": formula,
                           "held_calibrated": measured, "batch": b, "interval": interval})
-            probe = KVComposeCache(model, make_pipeline(m, cfg.budget), budget=cfg.budget, seed=cfg.seed, **kw)
+            probe = KVComposeCache(model, preset(m, budget=cfg.budget), budget=cfg.budget, seed=cfg.seed, **kw)
             if b < 1:
                 errors[m] = f"no sequence fits: {hb} tokens need {hb * per_tok / MIB:.1f} MiB"
                 continue

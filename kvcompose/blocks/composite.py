@@ -150,7 +150,8 @@ class CompositeTokens(Selector):
         cnt = torch.zeros(b, h + 1, dtype=torch.long, device=valid.device).scatter_add_(1, head, torch.ones_like(head))
         return torch.minimum(cnt[:, :h], n_real)
 
-    def __call__(self, scores, protected, valid, budget, generator=None, need_order=False, positions=None):
+    def choose(self, scores, protected, valid, budget, generator=None, need_order=False, positions=None, *,
+               host_budget=None, may_overflow=True):
         if scores is None:
             raise KVComposeError("CompositeTokens needs scores but the pipeline has no scorer")
         if (budget <= 0).any():

@@ -47,10 +47,9 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from .. import attention as _attn
-from .. import compat
 from .. import copying as _copying
 from ..block import Block, require_role, role_of
-from ..cache import check_budget, check_interval, check_model
+from ..cache import CacheGlue, check_budget, check_interval, check_model
 from ..layer import CacheStats, CoreConfig
 from ..pipeline import Pipeline
 from ..prefetch import Prefetcher
@@ -81,7 +80,7 @@ def _check_unused(pipeline: Pipeline, attention, interval, active_budget, host_l
         warn_unused(f"BranchCache(seed={seed})", f"no block of {pipeline!r} draws random numbers", stacklevel=4)
 
 
-class BranchCache(ForwardMixin, BudgetMixin, Cache):
+class BranchCache(ForwardMixin, BudgetMixin, CacheGlue, Cache):
     """A branch-aware KV cache for tree search: shared prefixes stored once, inactive branches compressed.
 
     Example:
@@ -397,19 +396,15 @@ class BranchCache(ForwardMixin, BudgetMixin, Cache):
         _attn.release(self)
         self.kvcompose_closed = True
 
-    kvcompose_attention = True  # kvcompose.attention routes calls that carry this cache to its layers
-    kvcompose_missed: str | None = None  # set by kvcompose.attention when an update's attention never ran
-    kvcompose_closed = False  # set by close(); cleared by bind(model)
+    # -- CacheGlue (kvcompose.cache): the Cache API answers of the active path --------------------------
+    def _bound(self) -> bool:
+        return self._hooks is not None
 
-    def _check_usable(self) -> None:
-        _attn.check_open(self, self.model)  # closed, or the model's attention was switched: refused by name
-        if self._hooks is None:
-            raise KVComposeError(_copying.UNBOUND.format(cls=type(self).__name__))
-    is_croppable = False  # crop is refused (branch with fork()); transformers' deferred stop check must not use it
+    def _seen_length(self, layer_idx: int = 0) -> int:
+        return self._seq_length()
 
-    def activate_past_recording(self, *args, **kwargs):
-        """Called by transformers (5.23+) before assisted / prompt-lookup decoding: refused."""
-        raise KVComposeError(compat.ASSISTED_MESSAGE)
+    def _layer_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[layer_idx].get_mask_sizes(query_length)
 
     def __repr__(self) -> str:
         return (f"BranchCache(budget={self.budget}, keep={self.keep}, scorer={self.pipeline!r}, tier={self.tier!r}, "
@@ -431,9 +426,6 @@ class BranchCache(ForwardMixin, BudgetMixin, Cache):
         state = _copying.cache_state(self, drop=_UNCOPIED)
         state["_incoming"] = {}
         return state
-
-    def __reduce_ex__(self, protocol):
-        return _copying.reduce_cache(self)  # torch.save inside: views of one buffer stay views when loaded
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -465,19 +457,7 @@ class BranchCache(ForwardMixin, BudgetMixin, Cache):
         self.kvcompose_closed = False
         return self
 
-    def update(self, *args, **kwargs):
-        self._check_usable()
-        return super().update(*args, **kwargs)
-
-    # -- transformers Cache API -----------------------------------------------------------------------
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        self._check_usable()
-        return self._seq_length()
-
-    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
-        self._check_usable()  # before the model builds a mask and attends: never a shape error of its attention
-        return _attn.expect_mask(self, self.layers[layer_idx].get_mask_sizes(query_length))
-
+    # -- transformers Cache API (update, get_seq_length, get_mask_sizes: CacheGlue) ---------------------
     def reset(self) -> None:
         raise KVComposeError("a BranchCache cannot be reset; create a new one")
 

@@ -85,7 +85,7 @@ class KVComposeLM(HFLM):
     def __init__(self, pretrained: Any = "default", method: str = "rkv", budget: Any = None, interval: Any = None,
                  seed: Any = 0, compress_prefill: bool = False, **kwargs):
         from .. import methods as _methods
-        from ..bench.run import make_pipeline
+        from ..methods import preset
 
         if method not in _methods.PRESETS:
             raise KVComposeError(f"unknown method {method!r}; presets: {', '.join(_methods.PRESETS)}")
@@ -93,7 +93,7 @@ class KVComposeLM(HFLM):
         if method != "full":
             if budget is None or budget <= 0:
                 raise KVComposeError(f"method {method!r} needs a positive budget (model_args ...,budget=512)")
-            make_pipeline(method, budget).validate(budget)
+            preset(method, budget=budget).validate(budget)
         if interval is not None and interval <= 0:
             raise KVComposeError(f"interval must be positive, got {interval}")
         if pretrained is None or pretrained == "default":
@@ -115,7 +115,7 @@ class KVComposeLM(HFLM):
     def make_cache(self):
         """A fresh `KVComposeCache` for one `generate` call."""
         from .. import methods as _methods
-        from ..bench.run import make_pipeline
+        from ..methods import preset
         from ..cache import KVComposeCache
 
         if self.kv_method == "full":
@@ -123,7 +123,7 @@ class KVComposeLM(HFLM):
         kw: dict[str, Any] = {"seed": self.kv_seed, "compress_prefill": self.kv_compress_prefill}
         if self.kv_interval is not None:
             kw["interval"] = self.kv_interval
-        return KVComposeCache(self.model, make_pipeline(self.kv_method, self.kv_budget), budget=self.kv_budget, **kw)
+        return KVComposeCache(self.model, preset(self.kv_method, budget=self.kv_budget), budget=self.kv_budget, **kw)
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
         cache = self.make_cache()

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from ..block import Block, require_role
 from ..scorers import Scorer
+from ..seeding import SEED_STRIDE  # a per (row, step) draw under the cache seed, not the per-layer rule
 from ..view import FAR_POSITION, AttentionStep, KVComposeError, LayerView
 from .tracker import RewardTracker
 
@@ -178,7 +179,7 @@ class StepRewardScore(Scorer):
             elif self.order == "inverse":
                 out.append(rewards)
             else:
-                out.append([-random.Random(self.seed * 1_000_003 + r * 7_919 + k).random() for k in range(len(rewards))])
+                out.append([-random.Random(self.seed * SEED_STRIDE + r * 7_919 + k).random() for k in range(len(rewards))])
         return out
 
     def score(self, view: LayerView, state: Float[Tensor, "B H T"]) -> Float[Tensor, "B H T"]:

@@ -1,6 +1,6 @@
-"""Reference traces of the fidelity benchmark: the full cache's own continuations (sampled or greedy) or
+"""Reference traces (library: the fidelity benchmark and calibration read them): the full cache's own continuations (sampled or greedy) or
 worked GSM8K solutions, each with its chat prompt and a prompt-recall probe. See `kvcompose.bench.fidelity`
-for the protocol; questions come from `kvcompose.bench.data`.
+for the protocol; questions come from `kvcompose.data`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..view import KVComposeError
+from .seeding import derived_seed
+from .view import KVComposeError
 
 __all__ = ["Trace", "RepetitionGuard", "make_traces", "recall_ids", "prompt_ids", "RECALL_INSTRUCTION"]
 
@@ -172,7 +173,7 @@ def make_traces(
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        torch.manual_seed(seed * 1_000_003 + bi)
+        torch.manual_seed(derived_seed(seed, bi))
         gen_kw: dict[str, Any] = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, suppress_tokens=suppress,
                                       pad_token_id=pad_id, **repetition_guard.generate_kwargs())
         if kind == "sampled":

@@ -1,4 +1,5 @@
-"""Questions for the benchmarks: local JSONL files, Hugging Face datasets, and a few built-in demo questions.
+"""Questions and their answers (library; calibration, `kvcompose generate` and the benchmarks read them here):
+local JSONL files, Hugging Face datasets, and a few built-in demo questions.
 
 One module serves `kvcompose bench fidelity`, `kvcompose bench accuracy`, `kvcompose generate` and the
 benchmark scripts. Every record is a dict `{"id", "question", "answer"}` where `answer` is the reference: for
@@ -21,16 +22,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from ..view import KVComposeError
+from .view import KVComposeError
 
 __all__ = [
     "DEMO_QUESTIONS", "demo_question", "load_questions", "load_hf_dataset", "resolve_questions",
-    "default_data_path", "DATASETS", "HFDataset", "ENV_GSM8K",
+    "default_data_path", "DATASETS", "HFDataset", "ENV_GSM8K", "gsm8k_answer", "extract_answer", "norm_number",
 ]
 
 ENV_GSM8K = "KVCOMPOSE_GSM8K"
@@ -236,3 +238,30 @@ def resolve_questions(data: str | os.PathLike | None = None, dataset: str | None
         f"e.g. GSM8K's test.jsonl), or --dataset {{{','.join(DATASETS)}}} to download one with Hugging Face "
         f"`datasets` (needs network access to the hub), or set ${ENV_GSM8K} to a GSM8K-style JSONL file"
     )
+
+
+# ---- answers: the number a reference or a generated text ends with ----
+_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def norm_number(s: str) -> str | None:
+    """The last number in `s` as a plain string: commas removed, trailing zeros of decimals dropped."""
+    m = _NUM.findall(s)
+    if not m:
+        return None
+    x = m[-1].replace(",", "")
+    if "." in x:
+        x = x.rstrip("0").rstrip(".")
+    return x
+
+
+def gsm8k_answer(answer: str | None) -> str | None:
+    """The number after GSM8K's `####` (commas removed), or None."""
+    if not answer or "####" not in answer:
+        return None
+    return norm_number(answer.split("####")[-1].strip())
+
+
+def extract_answer(text: str) -> str | None:
+    """The last number in a generated answer (commas removed, trailing zeros of decimals dropped)."""
+    return norm_number(text)

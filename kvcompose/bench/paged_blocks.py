@@ -36,14 +36,14 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from .allocators import Uniform
-from .block import require_role
-from .compat import forward_cache
-from .kernels.ref import sums_by_index
-from .pipeline import Pipeline
-from .protectors import ProtectValueNorm, resolve_count
-from .selectors import BlockGranular
-from .view import KVComposeError, LayerView
+from ..allocators import Uniform
+from ..block import require_role
+from ..compat import forward_cache
+from ..kernels.ref import sums_by_index
+from ..pipeline import Pipeline
+from ..protectors import ProtectValueNorm, resolve_count
+from ..selectors import BlockGranular
+from ..view import KVComposeError, LayerView
 
 __all__ = ["BlockProtectValueNorm", "RequestEvent", "RequestBlocks", "VotingValueProtect", "RequestSchedule",
            "block_granular", "request_pipeline"]
@@ -268,10 +268,11 @@ class RequestBlocks(BlockGranular):
             raise KVComposeError(f"RequestBlocks: block {block} differs from the event's {event.block}")
         self.event = event
 
-    def __call__(self, scores, protected, valid, budget, generator=None, need_order=False, positions=None):
+    def choose(self, scores, protected, valid, budget, generator=None, need_order=False, positions=None, *,
+               host_budget=None, may_overflow=True):
         ev = self.event
         if ev.mode == "layer":
-            return super().__call__(scores, protected, valid, budget, generator, need_order, positions)
+            return super().choose(scores, protected, valid, budget, generator, need_order, positions)
         if ev.mode not in ("record", "apply") or need_order:
             raise KVComposeError("RequestBlocks runs only inside a RequestEvent, with an evicting tier")
         if positions is None:
