@@ -260,6 +260,87 @@ def test_runtime_packs_what_pipeline_select_keeps(preset, cpu_layout):
     assert bool((st_.kept_pos[:, :, 1:] > st_.kept_pos[:, :, :-1]).all()), "kept positions stay in time order"
 
 
+def _drive(rt, reqs, kv, rows, data, steps, count=None):
+    """Prefill (without `count`) then decode `steps` one-token steps of every request in `reqs` (id -> prompt
+    length), recording queries and writing keys/values at physical slots as the engine does; returns each
+    request's count (its state's `last` is the count before the last step, as the worker sees it)."""
+    L, bs = rt.L, rt.block_size
+    keys, vals, queries = data
+
+    def step(batch):
+        rt.plan(batch)
+        for rid, c, n in batch:
+            st_ = rt.requests[rid]
+            for t in range(c, c + n):
+                p = st_.held + (t - c)
+                blk, off = torch.tensor([rows[rid][p // bs]]), torch.tensor([p % bs])
+                for i in range(L):
+                    rt.layout.scatter(kv[i], blk, off, keys[rid][i, :, t:t + 1], vals[rid][i, :, t:t + 1])
+        qs = torch.cat([queries[rid][:, c:c + n] for rid, c, n in batch], dim=1)
+        for i in range(L):
+            rt.record(i, qs[i])
+        for rid, c, n in batch:
+            st_ = rt.requests[rid]
+            st_.held += n
+            st_.last, count[rid] = c, c + n
+
+    if count is None:
+        count = {rid: 0 for rid in reqs}
+        step([(rid, 0, P) for rid, P in reqs.items()])
+    for _ in range(steps):
+        step([(rid, count[rid], 1) for rid in reqs])
+    return count
+
+
+@pytest.mark.parametrize("preset", ["streaming_llm", "rkv", "snapkv", "tova", "knorm", "random_attention",
+                                    "merging(snapkv)"])
+def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset):
+    """`Runtime.compress_many` runs the requests due at one step as rows of one `LayerView` (different prompt
+    lengths, the same decoded count; rows padded to the longest) and packs exactly what each request's event
+    alone packs: the same bytes in its leading blocks and the same kept positions, every layer and head."""
+    L, H, Hq, D, bs, B, I = 2, 2, 4, 8, 8, 32, 16
+    pipe = {"merging(snapkv)": methods.merging(methods.snapkv()),
+            "random_attention": methods.random_attention(recent=8)}.get(preset) or methods.PRESETS[preset]()
+    prompts = {"a": 30, "b": 45, "c": 64}  # held 46, 61 and 80 at the first event
+    g = torch.Generator().manual_seed(3)
+    nb = 64
+    data = tuple({r: torch.randn(L, H, 200, D, generator=g) for r in prompts} for _ in range(2)) + (
+        {r: torch.randn(L, 200, Hq, D, generator=g) for r in prompts},)
+    perm = torch.randperm(nb - 1, generator=g).add(1).tolist()
+    rows = {r: perm[12 * j:12 * (j + 1)] for j, r in enumerate(prompts)}
+    out = []
+    for together in (True, False):
+        rt = _runtime(L, H, Hq, D, bs, None, window=64)
+        kv = [torch.zeros(nb, H, bs, 2 * D) for _ in range(L)]
+        for r, P in prompts.items():
+            rt.add(r, Settings(pipeline=pipe, budget=B, interval=I, seed=5), P)
+        counts = None
+        for _ in range(2):  # two events each (the second over kept + newer tokens)
+            counts = _drive(rt, prompts, kv, rows, data, I, counts)
+            items = [(r, rt.requests[r], counts[r], rows[r]) for r in prompts]
+            assert all(rt.due(st_, c) for _, st_, c, _ in items)
+            if together:
+                got = rt.compress_many(items, kv)
+                assert not any(isinstance(x, BaseException) for x in got.values()), got
+            else:
+                got = {r: rt.compress(r, st_, c, row, kv) for r, st_, c, row in items}
+            for r in prompts:
+                assert got[r] == kept_row(rows[r], counts[r], B, bs)
+                assert rt.requests[r].held == B
+                rows[r] = got[r] + [b for b in rows[r] if b not in got[r]]
+        if together:  # one group per step, unless the pipeline draws random numbers (one generator per request)
+            assert rt.stats.event_groups == (6 if pipe.draws_random else 2) and rt.stats.events == 6
+        out.append((kv, {r: rt.requests[r].kept_pos for r in prompts}))
+    (kv1, pos1), (kv2, pos2) = out
+    for r in prompts:
+        assert torch.equal(pos1[r], pos2[r]), r
+        lead = torch.tensor(rows[r][: B // bs])
+        for i in range(L):
+            assert torch.equal(kv1[i][lead], kv2[i][lead]), (r, i)
+        if preset != "random_attention":  # the tokens kept are the scores' choice, not the first ones
+            assert not torch.equal(pos1[r][0, 0], torch.arange(B))
+
+
 def test_plan_turns_logical_positions_into_physical_slots():
     rt = _runtime(bs=8)
     s = Settings(pipeline=methods.streaming_llm(), budget=16, interval=8, seed=0)
