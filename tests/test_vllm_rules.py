@@ -341,6 +341,85 @@ def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset):
             assert not torch.equal(pos1[r][0, 0], torch.arange(B))
 
 
+class _ThreadGather:
+    """`all_gather` across ranks that are threads of this process (rank order along `dim`)."""
+
+    def __init__(self, n: int):
+        import threading
+
+        self.parts, self.barrier = [None] * n, threading.Barrier(n, timeout=60)
+
+    def of(self, rank: int):
+        def gather(x, dim):
+            self.parts[rank] = x
+            self.barrier.wait()
+            out = torch.cat(self.parts, dim)
+            self.barrier.wait()
+            return out
+        return gather
+
+
+@pytest.mark.parametrize("preset", ["random_attention", "tova", "snapkv", "rkv", "merging(snapkv)"])
+def test_tensor_parallel_ranks_pack_what_one_rank_packs(preset):
+    """Two tensor-parallel ranks, each holding half the KV heads (and their query heads), run the events of one
+    step together through a gather across the ranks and pack, in their own heads, exactly what one rank holding
+    every head packs: the same generator draws (random_attention) and the same head-coupled scores (tova's mean
+    over heads), and every head keeps the budget (one block table)."""
+    import threading
+
+    L, H, G, D, bs, B, I = 2, 4, 2, 8, 8, 32, 16
+    pipe = {"merging(snapkv)": methods.merging(methods.snapkv()),
+            "random_attention": methods.random_attention(recent=8)}.get(preset) or methods.PRESETS[preset]()
+    prompts = {"a": 30, "b": 45}
+    g = torch.Generator().manual_seed(4)
+    nb = 48
+    keys, vals = ({r: torch.randn(L, H, 200, D, generator=g) for r in prompts} for _ in range(2))
+    queries = {r: torch.randn(L, 200, H * G, D, generator=g) for r in prompts}
+    perm = torch.randperm(nb - 1, generator=g).add(1).tolist()
+    rows0 = {r: perm[12 * j:12 * (j + 1)] for j, r in enumerate(prompts)}
+
+    def run(rank, size, gather, out):
+        h = slice(rank * H // size, (rank + 1) * H // size)
+        layout = PagedLayout("FLASH_ATTN", D, bs)
+        rt = Runtime(num_layers=L, num_kv_heads=H // size, num_q_heads=H * G // size, head_dim=D, block_size=bs,
+                     device="cpu", dtype=torch.float32, scales=[D ** -0.5] * L, max_seqs=4, query_window=64,
+                     layout=layout, tp_rank=rank, tp_size=size, gather=gather)
+        data = ({r: x[:, h] for r, x in keys.items()}, {r: x[:, h] for r, x in vals.items()},
+                {r: x[:, :, h.start * G:h.stop * G] for r, x in queries.items()})
+        kv = [torch.zeros(nb, H // size, bs, 2 * D) for _ in range(L)]
+        rows = {r: list(x) for r, x in rows0.items()}
+        for r, P in prompts.items():
+            rt.add(r, Settings(pipeline=pipe, budget=B, interval=I, seed=5), P)
+        counts = None
+        for _ in range(2):
+            counts = _drive(rt, prompts, kv, rows, data, I, counts)
+            got = rt.compress_many([(r, rt.requests[r], counts[r], rows[r]) for r in prompts], kv)
+            assert not any(isinstance(x, BaseException) for x in got.values()), got
+            for r in prompts:
+                rows[r] = got[r] + [b for b in rows[r] if b not in got[r]]
+        out[rank] = (kv, rows, {r: rt.requests[r].kept_pos for r in prompts})
+
+    one = {}
+    run(0, 1, None, one)
+    two = {}
+    tg = _ThreadGather(2)
+    threads = [threading.Thread(target=run, args=(k, 2, tg.of(k), two)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(two) == {0, 1}, "a rank failed"
+    kv1, rows1, pos1 = one[0]
+    for k in (0, 1):
+        kv2, rows2, pos2 = two[k]
+        assert rows2 == rows1  # one block table for every rank
+        for r in prompts:
+            assert torch.equal(pos2[r], pos1[r]), (k, r)  # every rank knows every head's kept positions
+            lead = torch.tensor(rows1[r][: B // bs])
+            for i in range(L):
+                assert torch.equal(kv2[i][lead], kv1[i][lead][:, 2 * k:2 * k + 2]), (k, r, i)
+
+
 def test_plan_turns_logical_positions_into_physical_slots():
     rt = _runtime(bs=8)
     s = Settings(pipeline=methods.streaming_llm(), budget=16, interval=8, seed=0)

@@ -164,14 +164,27 @@ class Runtime:
         block_size: vLLM's block size. device, dtype: of the KV cache. scales: each layer's attention scale.
         max_seqs: ring slots (vLLM's `max_num_seqs`). query_window: ring window W (the largest window a
             request's pipeline may read). layout: `PagedLayout` of the backend.
+        tp_rank, tp_size, gather: tensor parallelism. `num_kv_heads` and `num_q_heads` are this rank's (KV heads
+            `tp_rank * H ... (tp_rank + 1) * H - 1` of the model's `tp_size * H`); `gather(x, dim)` concatenates
+            every rank's `x` along `dim` in rank order (vLLM's `get_tp_group().all_gather`). At an event every
+            rank gathers the held keys, values and recorded queries of all heads and runs the pipeline on all of
+            them, exactly as one rank would (the same generator draws, head-coupled scorers see every head), then
+            packs its own heads: every head keeps `budget` tokens, so one block table serves every rank.
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype, scales: list[float], max_seqs: int, query_window: int,
-                 layout: PagedLayout):
+                 layout: PagedLayout, tp_rank: int = 0, tp_size: int = 1, gather=None):
+        if tp_size > 1 and gather is None:
+            raise KVComposeError("tensor parallelism needs a gather across the ranks")
+        if not 0 <= tp_rank < tp_size:
+            raise KVComposeError(f"tensor-parallel rank {tp_rank} of {tp_size}")
         if num_q_heads % num_kv_heads:
             raise KVComposeError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
         self.L, self.H, self.Hq, self.D = num_layers, num_kv_heads, num_q_heads, head_dim
+        self.tp_rank, self.tp_size, self.gather = tp_rank, tp_size, gather
+        self.Hg = num_kv_heads * tp_size  # the model's KV heads (kept positions are known for all of them)
+        self.heads = slice(tp_rank * num_kv_heads, (tp_rank + 1) * num_kv_heads)  # this rank's, globally
         self.block_size = block_size
         self.device, self.dtype = torch.device(device), dtype
         self.scales = list(scales)
@@ -274,14 +287,14 @@ class Runtime:
 
     # -- the event --------------------------------------------------------------------------------
     def _positions(self, st: RequestState, layer_idx: int, width: int | None = None) -> Tensor:
-        """`[H, width]` logical positions of the tokens a layer holds (the kept ones, then the newer ones),
-        continued past the held count up to `width` (default: the held count)."""
+        """`[Hg, width]` logical positions of the tokens a layer holds in each of the model's KV heads (the kept
+        ones, then the newer ones), continued past the held count up to `width` (default: the held count)."""
         width = st.held if width is None else width
         if st.kept_pos is None:
-            return torch.arange(width, device=self.device).expand(self.H, width)
+            return torch.arange(width, device=self.device).expand(self.Hg, width)
         b = st.kept_pos.shape[-1]
         newer = st.c_event + torch.arange(width - b, device=self.device)
-        return torch.cat([st.kept_pos[layer_idx], newer.expand(self.H, -1)], dim=1)
+        return torch.cat([st.kept_pos[layer_idx], newer.expand(self.Hg, -1)], dim=1)
 
     def _ring_index(self, st: RequestState, window: int) -> Tensor:
         """`[window]` flat ring indices of the request's last `window` queries, oldest first (the ring must hold
@@ -308,7 +321,7 @@ class Runtime:
         state runs alone (each request has its own generators and states)."""
         s = st.settings
         if st.key is None:
-            spec = LayerSpec(0, self.L, 1, self.H, self.D, self.D, self.device, self.dtype)
+            spec = LayerSpec(0, self.L, 1, self.Hg, self.D, self.D, self.device, self.dtype)
             alone = s.pipeline.draws_random or any(x is not None for x in s.pipeline.init(spec))
             st.key = (pickle.dumps(s.pipeline), alone)
         w = min(st.ring_n, s.query_window) if st.slot is not None else 0
@@ -343,7 +356,8 @@ class Runtime:
         return out
 
     def _compress_group(self, group: list, kv_caches: list[Tensor]) -> dict[str, list[int]]:
-        dev, bs, D, H, L = self.device, self.block_size, self.D, self.H, self.L
+        dev, bs, D, H, L, Hg = self.device, self.block_size, self.D, self.H, self.L, self.Hg
+        tp = self.tp_size > 1
         s0: Settings = group[0][1].settings
         pipe: Pipeline = s0.pipeline
         B, w = s0.budget, s0.query_window
@@ -374,7 +388,7 @@ class Runtime:
         src = tuple(x.view(H, n, T, D).transpose(0, 1) for x in src)  # [n, H, T, D]
         dst = self.layout.index(kv_caches[0], blk[:, :B].reshape(-1), off[:, :B].reshape(-1))
         dst = tuple(x.view(H, n, B, D).transpose(0, 1) for x in dst)  # [n, H, B, D]
-        valid = ok.to(dev)[:, None, :].expand(n, H, T)
+        valid = ok.to(dev)[:, None, :].expand(n, Hg, T)
         shift = torch.tensor([C - c for c in seen], dtype=torch.long, device=dev)  # left padding per row
         padded = bool((shift != 0).any())
         sts = [it[1] for it in group]
@@ -385,9 +399,9 @@ class Runtime:
                     g = torch.Generator(device=dev)
                     g.manual_seed(layer_seed(st.settings.seed, i))
                     st.gens.append(g)
-                st.states = [pipe.init(LayerSpec(i, L, 1, H, D, D, dev, self.dtype)) for i in range(L)]
+                st.states = [pipe.init(LayerSpec(i, L, 1, Hg, D, D, dev, self.dtype)) for i in range(L)]
                 self.stats.compressed_requests += 1
-        kept_pos = torch.empty(n, L, H, B, dtype=torch.long, device=dev)
+        kept_pos = torch.empty(n, L, Hg, B, dtype=torch.long, device=dev)
         bad = torch.zeros((), dtype=torch.bool, device=dev)
         far = torch.tensor(FAR_POSITION, dtype=torch.long, device=dev)
         ring_idx = None
@@ -399,11 +413,15 @@ class Runtime:
             flat = self.layout._flat(kv_caches[i])
             keys = flat.index_select(0, src[0].reshape(-1)).view(n, H, T, D)
             values = flat.index_select(0, src[1].reshape(-1)).view(n, H, T, D)
+            if tp:  # every rank sees every head (rank order = the model's head order)
+                keys, values = self.gather(keys, 1), self.gather(values, 1)
             pos = torch.stack([self._positions(st, i, T) for st in sts])  # [n, H, T] logical (pad: anything)
             vpos = torch.where(valid, pos + shift[:, None, None], far)
             qs = qpos = qv = None
             if ring_idx is not None:
                 qs = self.ring[i].index_select(0, ring_idx.reshape(-1)).view(n, -1, self.Hq, D).transpose(1, 2)
+                if tp:
+                    qs = self.gather(qs.contiguous(), 1)
                 qpos = self.ring_pos.index_select(0, ring_idx[0]) + shift[0]
                 qv = torch.ones(n, ring_idx.shape[1], dtype=torch.bool, device=dev)
             view = LayerView(
@@ -423,7 +441,9 @@ class Runtime:
                                      "needs exactly the budget (the scheduler frees blocks by that count)")
             bad |= (kept < 0).any()
             kc = kept.clamp(min=0)
-            idx = kc[..., None].expand(-1, -1, -1, D)
+            idx = kc[:, self.heads, :, None].expand(-1, -1, -1, D)
+            if tp:
+                keys, values = keys[:, self.heads], values[:, self.heads]
             flat.index_copy_(0, dst[0].reshape(-1), keys.gather(2, idx).reshape(-1).to(flat.dtype))
             flat.index_copy_(0, dst[1].reshape(-1), values.gather(2, idx).reshape(-1).to(flat.dtype))
             kept_pos[:, i] = pos.gather(2, kc)

@@ -92,12 +92,23 @@ class KVComposeRunner:
         maps = None
         if kind == "CPU_ATTN":
             maps = cpu_layout_maps(layers[0], spec.num_kv_heads, block_size, spec.head_size, kv[0].dtype)
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        tp_rank, gather = 0, None
+        if tp > 1:
+            from vllm.distributed import get_tp_group
+
+            group = get_tp_group()
+            total = vllm_config.model_config.get_total_num_kv_heads()
+            if total % tp or spec.num_kv_heads * tp != total:
+                raise KVComposeError(f"tensor_parallel_size={tp} does not divide the model's {total} KV heads (vLLM "
+                                     "replicates them then; kvcompose needs each head on one rank)")
+            tp_rank, gather = group.rank_in_group, group.all_gather
         self._kvc = Runtime(
             num_layers=len(layers), num_kv_heads=spec.num_kv_heads, num_q_heads=impls[0].num_heads,
             head_dim=spec.head_size, block_size=block_size, device=kv[0].device, dtype=kv[0].dtype,
             scales=[float(impl.scale) for impl in impls], max_seqs=self.scheduler_config.max_num_seqs,
             query_window=self._kvc_engine.query_window,
-            layout=PagedLayout(kind, spec.head_size, block_size, maps),
+            layout=PagedLayout(kind, spec.head_size, block_size, maps), tp_rank=tp_rank, tp_size=tp, gather=gather,
         )
         self._kvc_kv = kv
         for impl in impls:
