@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from helpers import examples, rand_ids, tree_model
-from kvcompose import BlockGranular, HostTier, KVComposeCache, Pipeline, RandomDrop, methods
+from kvcompose import BlockGranular, HostTier, KVComposeCache, Pipeline, RandomDrop, Scorer, TopK, methods
 from kvcompose.integrations.vllm import (CONFIG_KEY, decode_pipeline, engine_kwargs, event_due, request_kwargs,
                                          serve_args)
 from kvcompose.integrations.vllm.rules import (Settings, blocks_to_free, engine_limits, engine_settings, kept_row,
@@ -339,6 +339,42 @@ def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset):
             assert torch.equal(kv1[i][lead], kv2[i][lead]), (r, i)
         if preset != "random_attention":  # the tokens kept are the scores' choice, not the first ones
             assert not torch.equal(pos1[r][0, 0], torch.arange(B))
+
+
+class _FailsOnRow(Scorer):
+    """Key norms, but raises when a row of the view has seen `bad` tokens (a failure of one request's data)."""
+
+    def __init__(self, bad: int):
+        self.bad = bad
+
+    def __call__(self, view, state=None):
+        if bool((view.row_seen == self.bad).any()):
+            raise RuntimeError("this row's data breaks the scorer")
+        return view.keys.float().norm(dim=-1)
+
+
+def test_a_failing_request_fails_alone_when_events_run_together():
+    """A block that raises on one request's data, in a group of three: nothing was written, so the group runs
+    again request by request; the other two compress (as they would alone) and only that one fails."""
+    L, H, Hq, D, bs, B, I = 2, 2, 4, 8, 8, 32, 16
+    prompts = {"a": 30, "b": 45, "c": 64}
+    g = torch.Generator().manual_seed(3)
+    nb = 64
+    data = tuple({r: torch.randn(L, H, 200, D, generator=g) for r in prompts} for _ in range(2)) + (
+        {r: torch.randn(L, 200, Hq, D, generator=g) for r in prompts},)
+    perm = torch.randperm(nb - 1, generator=g).add(1).tolist()
+    rows = {r: perm[12 * j:12 * (j + 1)] for j, r in enumerate(prompts)}
+    rt = _runtime(L, H, Hq, D, bs, None, window=64)
+    kv = [torch.zeros(nb, H, bs, 2 * D) for _ in range(L)]
+    pipe = Pipeline(_FailsOnRow(45 + I), TopK())
+    for r, P in prompts.items():
+        rt.add(r, Settings(pipeline=pipe, budget=B, interval=I, seed=0), P)
+    counts = _drive(rt, prompts, kv, rows, data, I)
+    got = rt.compress_many([(r, rt.requests[r], counts[r], rows[r]) for r in prompts], kv)
+    assert isinstance(got["b"], RuntimeError) and "breaks the scorer" in str(got["b"])
+    assert got["a"] == kept_row(rows["a"], counts["a"], B, bs) and got["c"] == kept_row(rows["c"], counts["c"], B, bs)
+    assert rt.stats.event_groups == 4 and rt.stats.events == 2  # the group, then each request alone
+    assert rt.requests["a"].held == rt.requests["c"].held == B and rt.requests["b"].held == 45 + I
 
 
 class _ThreadGather:

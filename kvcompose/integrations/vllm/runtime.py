@@ -286,6 +286,14 @@ class Runtime:
         return q, pos, torch.ones(1, idx.shape[0], dtype=torch.bool, device=self.device)
 
     # -- the event --------------------------------------------------------------------------------
+    def _all_positions(self, st: RequestState, width: int) -> Tensor:
+        """`[L, Hg, width]`: `_positions` of every layer at once."""
+        if st.kept_pos is None:
+            return torch.arange(width, device=self.device).expand(self.L, self.Hg, width)
+        b = st.kept_pos.shape[-1]
+        newer = st.c_event + torch.arange(width - b, device=self.device)
+        return torch.cat([st.kept_pos, newer.expand(self.L, self.Hg, -1)], dim=2)
+
     def _positions(self, st: RequestState, layer_idx: int, width: int | None = None) -> Tensor:
         """`[Hg, width]` logical positions of the tokens a layer holds in each of the model's KV heads (the kept
         ones, then the newer ones), continued past the held count up to `width` (default: the held count)."""
@@ -344,12 +352,16 @@ class Runtime:
                 groups.setdefault(self._group_key(it[1], it[2]), []).append(it)
             except Exception as e:  # noqa: BLE001 - that request alone
                 out[it[0]] = e
-        for group in groups.values():
+        todo = list(groups.values())
+        while todo:
+            group = todo.pop(0)
             try:
                 self.stats.event_groups += 1
-                rows = self._compress_group(group, kv_caches)
-                out.update(rows)
+                out.update(self._compress_group(group, kv_caches))
             except Exception as e:  # noqa: BLE001 - the group's requests fail, the others go on
+                if len(group) > 1 and not getattr(e, "kvc_written", False):
+                    todo[:0] = [[it] for it in group]  # nothing was written: each request again, alone
+                    continue
                 for it in group:
                     out[it[0]] = e
         self.stats.event_seconds += time.perf_counter() - t0
@@ -357,12 +369,11 @@ class Runtime:
 
     def _compress_group(self, group: list, kv_caches: list[Tensor]) -> dict[str, list[int]]:
         dev, bs, D, H, L, Hg = self.device, self.block_size, self.D, self.H, self.L, self.Hg
-        tp = self.tp_size > 1
         s0: Settings = group[0][1].settings
         pipe: Pipeline = s0.pipeline
         B, w = s0.budget, s0.query_window
         n = len(group)
-        new_rows, blks, offs, dsts_b, dsts_o = [], [], [], [], []
+        new_rows, blks = [], []
         held = [it[1].held for it in group]
         seen = [it[2] for it in group]
         T, C = max(held), max(seen)
@@ -402,53 +413,15 @@ class Runtime:
                 st.states = [pipe.init(LayerSpec(i, L, 1, Hg, D, D, dev, self.dtype)) for i in range(L)]
                 self.stats.compressed_requests += 1
         kept_pos = torch.empty(n, L, Hg, B, dtype=torch.long, device=dev)
-        bad = torch.zeros((), dtype=torch.bool, device=dev)
         far = torch.tensor(FAR_POSITION, dtype=torch.long, device=dev)
         ring_idx = None
         wq = min(sts[0].ring_n, w) if sts[0].slot is not None else 0  # the same for every row (`_group_key`)
         if wq:
             ring_idx = torch.stack([self._ring_index(st, wq) for st in sts])  # [n, wq]
-        alone = n == 1
-        for i in range(L):
-            flat = self.layout._flat(kv_caches[i])
-            keys = flat.index_select(0, src[0].reshape(-1)).view(n, H, T, D)
-            values = flat.index_select(0, src[1].reshape(-1)).view(n, H, T, D)
-            if tp:  # every rank sees every head (rank order = the model's head order)
-                keys, values = self.gather(keys, 1), self.gather(values, 1)
-            pos = torch.stack([self._positions(st, i, T) for st in sts])  # [n, H, T] logical (pad: anything)
-            vpos = torch.where(valid, pos + shift[:, None, None], far)
-            qs = qpos = qv = None
-            if ring_idx is not None:
-                qs = self.ring[i].index_select(0, ring_idx.reshape(-1)).view(n, -1, self.Hq, D).transpose(1, 2)
-                if tp:
-                    qs = self.gather(qs.contiguous(), 1)
-                qpos = self.ring_pos.index_select(0, ring_idx[0]) + shift[0]
-                qv = torch.ones(n, ring_idx.shape[1], dtype=torch.bool, device=dev)
-            view = LayerView(
-                layer_idx=i, num_layers=L, keys=keys, values=values, positions=vpos, valid=valid,
-                prompt_length=sts[0].prompt_len + C - seen[0], queries=qs, query_positions=qpos, query_valid=qv,
-                seen=C, scale=self.scales[i], generator=sts[0].gens[i], event=sts[0].events, rows=None,
-                cache_budget=B, padding=shift if padded else None,
-            )
-            sel, state = pipe.select(view, B, sts[0].states[i] if alone else None)
-            if alone:
-                sts[0].states[i] = state
-            if sel.values is not None:  # a Merger: the kept tokens take the merged values (keys never change)
-                values = sel.values
-            kept = sel.kept
-            if kept.shape[-1] != B:
-                raise KVComposeError(f"{pipe!r} kept {kept.shape[-1]} tokens per head at budget {B}; the vLLM route "
-                                     "needs exactly the budget (the scheduler frees blocks by that count)")
-            bad |= (kept < 0).any()
-            kc = kept.clamp(min=0)
-            idx = kc[:, self.heads, :, None].expand(-1, -1, -1, D)
-            if tp:
-                keys, values = keys[:, self.heads], values[:, self.heads]
-            flat.index_copy_(0, dst[0].reshape(-1), keys.gather(2, idx).reshape(-1).to(flat.dtype))
-            flat.index_copy_(0, dst[1].reshape(-1), values.gather(2, idx).reshape(-1).to(flat.dtype))
-            kept_pos[:, i] = pos.gather(2, kc)
-        if bool(bad):  # one host sync per group's event, not per layer
-            raise KVComposeError(f"{pipe!r} kept fewer than {B} tokens in some head (padded selection)")
+        positions = torch.stack([self._all_positions(st, T) for st in sts])  # [n, L, Hg, T] (past held: masked)
+        vpositions = torch.where(valid[:, None], positions + shift[:, None, None, None], far)
+        self._select_layers(group, kv_caches, pipe, B, T, C, seen, src, dst, valid, shift, padded, sts, ring_idx,
+                            positions, vpositions, kept_pos)
         out = {}
         for r, (rid, st, c, row) in enumerate(group):
             st.kept_pos, st.c_event, st.held = kept_pos[r], c, B
@@ -456,6 +429,63 @@ class Runtime:
             self.stats.events += 1
             out[rid] = new_rows[r]
         return out
+
+    def _select_layers(self, group, kv_caches, pipe, B, T, C, seen, src, dst, valid, shift, padded, sts, ring_idx,
+                       positions, vpositions, kept_pos) -> None:
+        """The per-layer part of `_compress_group` (one `Pipeline.select` per layer for the group's rows). An
+        exception carries `kvc_written`: whether the cache was written (if not, the requests can run alone)."""
+        dev, D, H, L = self.device, self.D, self.H, self.L
+        tp = self.tp_size > 1
+        n = len(group)
+        alone = n == 1
+        bad = torch.zeros((), dtype=torch.bool, device=dev)
+        written = False
+        try:
+            for i in range(L):
+                flat = self.layout._flat(kv_caches[i])
+                keys = flat.index_select(0, src[0].reshape(-1)).view(n, H, T, D)
+                values = flat.index_select(0, src[1].reshape(-1)).view(n, H, T, D)
+                if tp:  # every rank sees every head (rank order = the model's head order)
+                    keys, values = self.gather(keys, 1), self.gather(values, 1)
+                pos, vpos = positions[:, i], vpositions[:, i]  # [n, Hg, T]: logical, and the view's
+                qs = qpos = qv = None
+                if ring_idx is not None:
+                    qs = self.ring[i].index_select(0, ring_idx.reshape(-1)).view(n, -1, self.Hq, D).transpose(1, 2)
+                    if tp:
+                        qs = self.gather(qs.contiguous(), 1)
+                    qpos = self.ring_pos.index_select(0, ring_idx[0]) + shift[0]
+                    qv = torch.ones(n, ring_idx.shape[1], dtype=torch.bool, device=dev)
+                view = LayerView(
+                    layer_idx=i, num_layers=L, keys=keys, values=values, positions=vpos, valid=valid,
+                    prompt_length=sts[0].prompt_len + C - seen[0], queries=qs, query_positions=qpos,
+                    query_valid=qv, seen=C, scale=self.scales[i], generator=sts[0].gens[i], event=sts[0].events,
+                    rows=None, cache_budget=B, padding=shift if padded else None,
+                )
+                sel, state = pipe.select(view, B, sts[0].states[i] if alone else None)
+                if alone:
+                    sts[0].states[i] = state
+                if sel.values is not None:  # a Merger: the kept tokens take the merged values (keys never change)
+                    values = sel.values
+                kept = sel.kept
+                if kept.shape[-1] != B:
+                    raise KVComposeError(f"{pipe!r} kept {kept.shape[-1]} tokens per head at budget {B}; the vLLM "
+                                         "route needs exactly the budget (the scheduler frees blocks by that count)")
+                bad |= (kept < 0).any()
+                kc = kept.clamp(min=0)
+                idx = kc[:, self.heads, :, None].expand(-1, -1, -1, D)
+                if tp:  # this rank packs its own heads
+                    keys, values = keys[:, self.heads], values[:, self.heads]
+                new_k = keys.gather(2, idx).reshape(-1).to(flat.dtype)
+                new_v = values.gather(2, idx).reshape(-1).to(flat.dtype)
+                written = True
+                flat.index_copy_(0, dst[0].reshape(-1), new_k)
+                flat.index_copy_(0, dst[1].reshape(-1), new_v)
+                kept_pos[:, i] = pos.gather(2, kc)
+            if bool(bad):  # one host sync per group's event, not per layer
+                raise KVComposeError(f"{pipe!r} kept fewer than {B} tokens in some head (padded selection)")
+        except Exception as e:
+            e.kvc_written = written
+            raise
 
     # -- the step ---------------------------------------------------------------------------------
     def plan(self, batch: list[tuple[str, int, int]]) -> StepPlan:
