@@ -297,7 +297,8 @@ def _drive(rt, reqs, kv, rows, data, steps, count=None):
 def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset):
     """`Runtime.compress_many` runs the requests due at one step as rows of one `LayerView` (different prompt
     lengths, the same decoded count; rows padded to the longest) and packs exactly what each request's event
-    alone packs: the same bytes in its leading blocks and the same kept positions, every layer and head."""
+    alone packs: the same bytes in its leading blocks and the same kept positions, every layer and head (the
+    batched run moves whole blocks, the lone one, on a cache that is not contiguous, single slots)."""
     L, H, Hq, D, bs, B, I = 2, 2, 4, 8, 8, 32, 16
     pipe = {"merging(snapkv)": methods.merging(methods.snapkv()),
             "random_attention": methods.random_attention(recent=8)}.get(preset) or methods.PRESETS[preset]()
@@ -311,7 +312,9 @@ def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset):
     out = []
     for together in (True, False):
         rt = _runtime(L, H, Hq, D, bs, None, window=64)
-        kv = [torch.zeros(nb, H, bs, 2 * D) for _ in range(L)]
+        # alone: a cache that is not contiguous, so the event reads and writes slot by slot instead of whole blocks
+        kv = [torch.zeros(nb, H, bs, 2 * D) if together else torch.zeros(H, nb, bs, 2 * D).transpose(0, 1)
+              for _ in range(L)]
         for r, P in prompts.items():
             rt.add(r, Settings(pipeline=pipe, budget=B, interval=I, seed=5), P)
         counts = None

@@ -71,6 +71,52 @@ class PagedLayout:
         n = self.bs * self.D
         return base + self.kmap[off][None], base + n + self.vmap[off][None]
 
+    def _inverse(self) -> tuple[Tensor, Tensor]:
+        """`(kinv, vinv)`: element `j` of a block's (head's) key region holds `keys[s, d]` with `s * D + d =
+        kinv[j]` (the inverse permutations of the measured maps)."""
+        if getattr(self, "_inv", None) is None:
+            n = self.bs * self.D
+            inv = []
+            for m in (self.kmap, self.vmap):
+                x = torch.empty(n, dtype=torch.long, device=m.device)
+                x[m.reshape(-1)] = torch.arange(n, device=m.device)
+                inv.append(x)
+            self._inv = (inv[0], inv[1])
+        return self._inv
+
+    def load_blocks(self, kv: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Keys and values of whole blocks, `[m, H, block_size, D]` each, read block by block (one contiguous
+        row of the cache per block: a fast `index_select`), or None when the cache is not contiguous (then
+        `gather` by slots)."""
+        self._check(kv)
+        if not kv.is_contiguous():
+            return None
+        m, H, bs, D = blocks.shape[0], kv.shape[1], self.bs, self.D
+        x = kv.view(kv.shape[0], -1).index_select(0, blocks).view(m, H, 2 * bs * D)
+        if self.kmap is None:  # [.., slot, k | v]
+            x = x.view(m, H, bs, 2 * D)
+            return x[..., :D], x[..., D:]
+        n = bs * D
+        keys = x[..., :n].index_select(-1, self.kmap.reshape(-1)).view(m, H, bs, D)
+        values = x[..., n:].index_select(-1, self.vmap.reshape(-1)).view(m, H, bs, D)
+        return keys, values
+
+    def store_blocks(self, kv: Tensor, blocks: Tensor, keys: Tensor, values: Tensor) -> bool:
+        """Write whole blocks (`keys`, `values`: `[m, H, block_size, D]`) in place, one contiguous row per
+        block; False (nothing written) when the cache is not contiguous (then `scatter` by slots)."""
+        self._check(kv)
+        if not kv.is_contiguous():
+            return False
+        m, H = blocks.shape[0], kv.shape[1]
+        if self.kmap is None:
+            x = torch.cat([keys, values], dim=-1)
+        else:
+            kinv, vinv = self._inverse()
+            x = torch.cat([keys.reshape(m, H, -1).index_select(-1, kinv),
+                           values.reshape(m, H, -1).index_select(-1, vinv)], dim=-1)
+        kv.view(kv.shape[0], -1).index_copy_(0, blocks, x.reshape(m, -1).to(kv.dtype))
+        return True
+
     @staticmethod
     def _flat(kv: Tensor) -> Tensor:
         return kv.as_strided((kv.untyped_storage().nbytes() // kv.element_size() - kv.storage_offset(),), (1,),
@@ -88,6 +134,49 @@ class PagedLayout:
         flat = self._flat(kv)
         flat.index_copy_(0, ki.reshape(-1), keys.reshape(-1).to(flat.dtype))
         flat.index_copy_(0, vi.reshape(-1), values.reshape(-1).to(flat.dtype))
+
+
+class _GroupIO:
+    """Reads the held keys and values of a group's rows and writes their kept ones, per layer: whole blocks when
+    the cache is contiguous (`PagedLayout.load_blocks` / `store_blocks`: one row per block), else slot by slot.
+
+    `blocks`: `[n, nbT]` each row's blocks covering `T` slots (padded with its first block); `blk`, `off`: `[n, T]`
+    the block and offset of every slot (padded slots point at the row's first slot; they are masked)."""
+
+    def __init__(self, layout: PagedLayout, kv0: Tensor, blocks: Tensor, blk: Tensor, off: Tensor, n: int, H: int,
+                 T: int, B: int, D: int):
+        self.layout, self.blocks, self.blk, self.off = layout, blocks, blk, off
+        self.n, self.H, self.T, self.B, self.D = n, H, T, B, D
+        self.lead = blocks[:, : B // layout.bs].reshape(-1)  # the blocks the kept tokens fill, whole
+        self._src = self._dst = None
+
+    def load(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        n, H, T, D, bs = self.n, self.H, self.T, self.D, self.layout.bs
+        got = self.layout.load_blocks(kv, self.blocks.reshape(-1))
+        if got is not None:
+            nb = self.blocks.shape[1]
+            k, v = (x.view(n, nb, H, bs, D).transpose(1, 2).reshape(n, H, nb * bs, D)[:, :, :T] for x in got)
+            return k, v
+        if self._src is None:
+            src = self.layout.index(kv, self.blk.reshape(-1), self.off.reshape(-1))  # [H, n * T, D] each
+            self._src = tuple(x.view(H, n, T, D).transpose(0, 1).reshape(-1) for x in src)
+        flat = self.layout._flat(kv)
+        return (flat.index_select(0, self._src[0]).view(n, H, T, D),
+                flat.index_select(0, self._src[1]).view(n, H, T, D))
+
+    def store(self, kv: Tensor, keys: Tensor, values: Tensor) -> None:
+        """`keys`, `values`: `[n, H, B, D]`, the kept tokens in order (they fill the leading blocks exactly)."""
+        n, H, B, D, bs = self.n, self.H, self.B, self.D, self.layout.bs
+        lead = B // bs
+        k, v = (x.reshape(n, H, lead, bs, D).transpose(1, 2).reshape(n * lead, H, bs, D) for x in (keys, values))
+        if self.layout.store_blocks(kv, self.lead, k, v):
+            return
+        if self._dst is None:
+            dst = self.layout.index(kv, self.blk[:, :B].reshape(-1), self.off[:, :B].reshape(-1))
+            self._dst = tuple(x.view(H, n, B, D).transpose(0, 1).reshape(-1) for x in dst)
+        flat = self.layout._flat(kv)
+        flat.index_copy_(0, self._dst[0], keys.reshape(-1).to(flat.dtype))
+        flat.index_copy_(0, self._dst[1], values.reshape(-1).to(flat.dtype))
 
 
 @dataclass
@@ -393,12 +482,9 @@ class Runtime:
         width = max(len(b) for b in blks)
         table = torch.tensor([b + [b[0]] * (width - len(b)) for b in blks], dtype=torch.long)  # [n, nb]
         qq = torch.where(ok, q[None, :], 0)
-        blk = table.gather(1, qq // bs).to(dev)
-        off = (qq % bs).to(dev)
-        src = self.layout.index(kv_caches[0], blk.reshape(-1), off.reshape(-1))  # [H, n * T, D] each
-        src = tuple(x.view(H, n, T, D).transpose(0, 1) for x in src)  # [n, H, T, D]
-        dst = self.layout.index(kv_caches[0], blk[:, :B].reshape(-1), off[:, :B].reshape(-1))
-        dst = tuple(x.view(H, n, B, D).transpose(0, 1) for x in dst)  # [n, H, B, D]
+        nbT = -(-T // bs)
+        io = _GroupIO(self.layout, kv_caches[0], table[:, :nbT].to(dev), table.gather(1, qq // bs).to(dev),
+                      (qq % bs).to(dev), n, H, T, B, D)
         valid = ok.to(dev)[:, None, :].expand(n, Hg, T)
         shift = torch.tensor([C - c for c in seen], dtype=torch.long, device=dev)  # left padding per row
         padded = bool((shift != 0).any())
@@ -420,7 +506,7 @@ class Runtime:
             ring_idx = torch.stack([self._ring_index(st, wq) for st in sts])  # [n, wq]
         positions = torch.stack([self._all_positions(st, T) for st in sts])  # [n, L, Hg, T] (past held: masked)
         vpositions = torch.where(valid[:, None], positions + shift[:, None, None, None], far)
-        self._select_layers(group, kv_caches, pipe, B, T, C, seen, src, dst, valid, shift, padded, sts, ring_idx,
+        self._select_layers(group, kv_caches, pipe, B, T, C, seen, io, valid, shift, padded, sts, ring_idx,
                             positions, vpositions, kept_pos)
         out = {}
         for r, (rid, st, c, row) in enumerate(group):
@@ -430,7 +516,7 @@ class Runtime:
             out[rid] = new_rows[r]
         return out
 
-    def _select_layers(self, group, kv_caches, pipe, B, T, C, seen, src, dst, valid, shift, padded, sts, ring_idx,
+    def _select_layers(self, group, kv_caches, pipe, B, T, C, seen, io, valid, shift, padded, sts, ring_idx,
                        positions, vpositions, kept_pos) -> None:
         """The per-layer part of `_compress_group` (one `Pipeline.select` per layer for the group's rows). An
         exception carries `kvc_written`: whether the cache was written (if not, the requests can run alone)."""
@@ -442,9 +528,7 @@ class Runtime:
         written = False
         try:
             for i in range(L):
-                flat = self.layout._flat(kv_caches[i])
-                keys = flat.index_select(0, src[0].reshape(-1)).view(n, H, T, D)
-                values = flat.index_select(0, src[1].reshape(-1)).view(n, H, T, D)
+                keys, values = io.load(kv_caches[i])  # [n, H, T, D]
                 if tp:  # every rank sees every head (rank order = the model's head order)
                     keys, values = self.gather(keys, 1), self.gather(values, 1)
                 pos, vpos = positions[:, i], vpositions[:, i]  # [n, Hg, T]: logical, and the view's
@@ -472,14 +556,14 @@ class Runtime:
                                          "route needs exactly the budget (the scheduler frees blocks by that count)")
                 bad |= (kept < 0).any()
                 kc = kept.clamp(min=0)
-                idx = kc[:, self.heads, :, None].expand(-1, -1, -1, D)
-                if tp:  # this rank packs its own heads
+                own = kc[:, self.heads] if tp else kc  # this rank packs its own heads
+                if tp:
                     keys, values = keys[:, self.heads], values[:, self.heads]
-                new_k = keys.gather(2, idx).reshape(-1).to(flat.dtype)
-                new_v = values.gather(2, idx).reshape(-1).to(flat.dtype)
+                rows = ((torch.arange(n * H, device=dev) * T).view(n, H, 1) + own).reshape(-1)
+                new_k = keys.reshape(n * H * T, D).index_select(0, rows).view(n, H, B, D)
+                new_v = values.reshape(n * H * T, D).index_select(0, rows).view(n, H, B, D)
                 written = True
-                flat.index_copy_(0, dst[0].reshape(-1), new_k)
-                flat.index_copy_(0, dst[1].reshape(-1), new_v)
+                io.store(kv_caches[i], new_k, new_v)
                 kept_pos[:, i] = pos.gather(2, kc)
             if bool(bad):  # one host sync per group's event, not per layer
                 raise KVComposeError(f"{pipe!r} kept fewer than {B} tokens in some head (padded selection)")
