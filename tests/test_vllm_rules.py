@@ -182,14 +182,18 @@ def _random_maps(bs, D, seed):
 
 @pytest.mark.parametrize("preset", ["streaming_llm", "random_attention", "rkv", "vase", "snapkv", "tova", "knorm",
                                     "merging(snapkv)"])
-@pytest.mark.parametrize("cpu_layout", [False, True])
+@pytest.mark.parametrize("cpu_layout", [False, True, "vec"])
 def test_runtime_packs_what_pipeline_select_keeps(preset, cpu_layout):
     """`Runtime.compress` over a paged cache whose blocks are scattered keeps, in every layer and head, the tokens
     `Pipeline.select` keeps on the dense keys (same generator draws), packed in order into the leading blocks,
     with the merged values when the pipeline has a Merger; a second event sees the kept tokens' positions and
     the newer ones."""
     L, H, Hq, D, bs, B, I = 2, 2, 4, 8, 8, 96, 32
-    maps = _random_maps(bs, D, 0) if cpu_layout else None
+    maps = None
+    if cpu_layout == "vec":  # the CPU kernel's vec ISA: a block's keys transposed, its values in rows
+        maps = (torch.arange(bs * D).view(D, bs).t(), torch.arange(bs * D).view(bs, D))
+    elif cpu_layout:  # any permutation the layout probe may measure
+        maps = _random_maps(bs, D, 0)
     rt = _runtime(L, H, Hq, D, bs, maps, window=64)
     pipe = methods.merging(methods.snapkv()) if preset == "merging(snapkv)" else methods.PRESETS[preset]()
     s = Settings(pipeline=pipe, budget=B, interval=I, seed=5)
