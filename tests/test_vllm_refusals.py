@@ -49,7 +49,8 @@ def test_engine_args_that_are_refused(model, over, match):
 
 def test_speculative_decoding_parallelism_and_async_scheduling_are_refused(model):
     """Settings the CPU platform cannot build (a draft model, several processes) or turns off itself (async
-    scheduling), set on copies of a real config: the check reads only these fields."""
+    scheduling), set on copies of a real config: the check reads only these fields. Tensor parallelism runs
+    when every rank holds whole KV heads (tests/test_vllm_tp.py); pipeline parallelism is refused."""
     import copy
 
     from kvcompose.integrations.vllm.scheduler import check_engine
@@ -59,13 +60,19 @@ def test_speculative_decoding_parallelism_and_async_scheduling_are_refused(model
     object.__setattr__(spec, "speculative_config", object())  # any speculative config
     with pytest.raises(KVComposeError, match="speculative decoding"):
         check_engine(spec)
-    for field in ("pipeline_parallel_size", "tensor_parallel_size"):
+    def parallel(**fields):
         par = copy.copy(cfg.parallel_config)
-        object.__setattr__(par, field, 2)
-        pp = copy.copy(cfg)
-        object.__setattr__(pp, "parallel_config", par)
-        with pytest.raises(KVComposeError, match="pipeline or tensor parallelism"):
-            check_engine(pp)
+        for k, v in fields.items():
+            object.__setattr__(par, k, v)
+        out = copy.copy(cfg)
+        object.__setattr__(out, "parallel_config", par)
+        return out
+
+    with pytest.raises(KVComposeError, match="pipeline parallelism .*different steps"):
+        check_engine(parallel(pipeline_parallel_size=2))
+    check_engine(parallel(tensor_parallel_size=2))  # the tiny Llama's 2 KV heads: one per rank
+    with pytest.raises(KVComposeError, match="tensor_parallel_size=4 with 2 KV heads"):
+        check_engine(parallel(tensor_parallel_size=4))  # vLLM would replicate the heads
     sched = copy.copy(cfg.scheduler_config)  # vLLM's CPU platform turns async scheduling off by itself
     object.__setattr__(sched, "async_scheduling", True)
     asy = copy.copy(cfg)

@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from helpers import examples, rand_ids, tree_model
-from kvcompose import BlockGranular, HostTier, KVComposeCache, Pipeline, RandomDrop, methods
+from kvcompose import BlockGranular, HostTier, KVComposeCache, Pipeline, RandomDrop, Scorer, TopK, methods
 from kvcompose.integrations.vllm import (CONFIG_KEY, decode_pipeline, engine_kwargs, event_due, request_kwargs,
                                          serve_args)
 from kvcompose.integrations.vllm.rules import (Settings, blocks_to_free, engine_limits, engine_settings, kept_row,
@@ -182,14 +182,18 @@ def _random_maps(bs, D, seed):
 
 @pytest.mark.parametrize("preset", ["streaming_llm", "random_attention", "rkv", "vase", "snapkv", "tova", "knorm",
                                     "merging(snapkv)"])
-@pytest.mark.parametrize("cpu_layout", [False, True])
+@pytest.mark.parametrize("cpu_layout", [False, True, "vec"])
 def test_runtime_packs_what_pipeline_select_keeps(preset, cpu_layout):
     """`Runtime.compress` over a paged cache whose blocks are scattered keeps, in every layer and head, the tokens
     `Pipeline.select` keeps on the dense keys (same generator draws), packed in order into the leading blocks,
     with the merged values when the pipeline has a Merger; a second event sees the kept tokens' positions and
     the newer ones."""
     L, H, Hq, D, bs, B, I = 2, 2, 4, 8, 8, 96, 32
-    maps = _random_maps(bs, D, 0) if cpu_layout else None
+    maps = None
+    if cpu_layout == "vec":  # the CPU kernel's vec ISA: a block's keys transposed, its values in rows
+        maps = (torch.arange(bs * D).view(D, bs).t(), torch.arange(bs * D).view(bs, D))
+    elif cpu_layout:  # any permutation the layout probe may measure
+        maps = _random_maps(bs, D, 0)
     rt = _runtime(L, H, Hq, D, bs, maps, window=64)
     pipe = methods.merging(methods.snapkv()) if preset == "merging(snapkv)" else methods.PRESETS[preset]()
     s = Settings(pipeline=pipe, budget=B, interval=I, seed=5)
@@ -258,6 +262,205 @@ def test_runtime_packs_what_pipeline_select_keeps(preset, cpu_layout):
     rt.compress("r", st_, c, row, kv)
     assert st_.events == 2 and st_.held == B
     assert bool((st_.kept_pos[:, :, 1:] > st_.kept_pos[:, :, :-1]).all()), "kept positions stay in time order"
+
+
+def _drive(rt, reqs, kv, rows, data, steps, count=None):
+    """Prefill (without `count`) then decode `steps` one-token steps of every request in `reqs` (id -> prompt
+    length), recording queries and writing keys/values at physical slots as the engine does; returns each
+    request's count (its state's `last` is the count before the last step, as the worker sees it)."""
+    L, bs = rt.L, rt.block_size
+    keys, vals, queries = data
+
+    def step(batch):
+        rt.plan(batch)
+        for rid, c, n in batch:
+            st_ = rt.requests[rid]
+            for t in range(c, c + n):
+                p = st_.held + (t - c)
+                blk, off = torch.tensor([rows[rid][p // bs]]), torch.tensor([p % bs])
+                for i in range(L):
+                    rt.layout.scatter(kv[i], blk, off, keys[rid][i, :, t:t + 1], vals[rid][i, :, t:t + 1])
+        qs = torch.cat([queries[rid][:, c:c + n] for rid, c, n in batch], dim=1)
+        for i in range(L):
+            rt.record(i, qs[i])
+        for rid, c, n in batch:
+            st_ = rt.requests[rid]
+            st_.held += n
+            st_.last, count[rid] = c, c + n
+
+    if count is None:
+        count = {rid: 0 for rid in reqs}
+        step([(rid, 0, P) for rid, P in reqs.items()])
+    for _ in range(steps):
+        step([(rid, count[rid], 1) for rid in reqs])
+    return count
+
+
+@pytest.mark.parametrize("preset", ["streaming_llm", "rkv", "snapkv", "tova", "knorm", "random_attention",
+                                    "merging(snapkv)"])
+def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset):
+    """`Runtime.compress_many` runs the requests due at one step as rows of one `LayerView` (different prompt
+    lengths, the same decoded count; rows padded to the longest) and packs exactly what each request's event
+    alone packs: the same bytes in its leading blocks and the same kept positions, every layer and head (the
+    batched run moves whole blocks, the lone one, on a cache that is not contiguous, single slots)."""
+    L, H, Hq, D, bs, B, I = 2, 2, 4, 8, 8, 32, 16
+    pipe = {"merging(snapkv)": methods.merging(methods.snapkv()),
+            "random_attention": methods.random_attention(recent=8)}.get(preset) or methods.PRESETS[preset]()
+    prompts = {"a": 30, "b": 45, "c": 64}  # held 46, 61 and 80 at the first event
+    g = torch.Generator().manual_seed(3)
+    nb = 64
+    data = tuple({r: torch.randn(L, H, 200, D, generator=g) for r in prompts} for _ in range(2)) + (
+        {r: torch.randn(L, 200, Hq, D, generator=g) for r in prompts},)
+    perm = torch.randperm(nb - 1, generator=g).add(1).tolist()
+    rows = {r: perm[12 * j:12 * (j + 1)] for j, r in enumerate(prompts)}
+    out = []
+    for together in (True, False):
+        rt = _runtime(L, H, Hq, D, bs, None, window=64)
+        # alone: a cache that is not contiguous, so the event reads and writes slot by slot instead of whole blocks
+        kv = [torch.zeros(nb, H, bs, 2 * D) if together else torch.zeros(H, nb, bs, 2 * D).transpose(0, 1)
+              for _ in range(L)]
+        for r, P in prompts.items():
+            rt.add(r, Settings(pipeline=pipe, budget=B, interval=I, seed=5), P)
+        counts = None
+        for _ in range(2):  # two events each (the second over kept + newer tokens)
+            counts = _drive(rt, prompts, kv, rows, data, I, counts)
+            items = [(r, rt.requests[r], counts[r], rows[r]) for r in prompts]
+            assert all(rt.due(st_, c) for _, st_, c, _ in items)
+            if together:
+                got = rt.compress_many(items, kv)
+                assert not any(isinstance(x, BaseException) for x in got.values()), got
+            else:
+                got = {r: rt.compress(r, st_, c, row, kv) for r, st_, c, row in items}
+            for r in prompts:
+                assert got[r] == kept_row(rows[r], counts[r], B, bs)
+                assert rt.requests[r].held == B
+                rows[r] = got[r] + [b for b in rows[r] if b not in got[r]]
+        if together:  # one group per step, unless the pipeline draws random numbers (one generator per request)
+            assert rt.stats.event_groups == (6 if pipe.draws_random else 2) and rt.stats.events == 6
+        out.append((kv, {r: rt.requests[r].kept_pos for r in prompts}))
+    (kv1, pos1), (kv2, pos2) = out
+    for r in prompts:
+        assert torch.equal(pos1[r], pos2[r]), r
+        lead = torch.tensor(rows[r][: B // bs])
+        for i in range(L):
+            assert torch.equal(kv1[i][lead], kv2[i][lead]), (r, i)
+        if preset != "random_attention":  # the tokens kept are the scores' choice, not the first ones
+            assert not torch.equal(pos1[r][0, 0], torch.arange(B))
+
+
+class _FailsOnRow(Scorer):
+    """Key norms, but raises when a row of the view has seen `bad` tokens (a failure of one request's data)."""
+
+    def __init__(self, bad: int):
+        self.bad = bad
+
+    def __call__(self, view, state=None):
+        if bool((view.row_seen == self.bad).any()):
+            raise RuntimeError("this row's data breaks the scorer")
+        return view.keys.float().norm(dim=-1)
+
+
+def test_a_failing_request_fails_alone_when_events_run_together():
+    """A block that raises on one request's data, in a group of three: nothing was written, so the group runs
+    again request by request; the other two compress (as they would alone) and only that one fails."""
+    L, H, Hq, D, bs, B, I = 2, 2, 4, 8, 8, 32, 16
+    prompts = {"a": 30, "b": 45, "c": 64}
+    g = torch.Generator().manual_seed(3)
+    nb = 64
+    data = tuple({r: torch.randn(L, H, 200, D, generator=g) for r in prompts} for _ in range(2)) + (
+        {r: torch.randn(L, 200, Hq, D, generator=g) for r in prompts},)
+    perm = torch.randperm(nb - 1, generator=g).add(1).tolist()
+    rows = {r: perm[12 * j:12 * (j + 1)] for j, r in enumerate(prompts)}
+    rt = _runtime(L, H, Hq, D, bs, None, window=64)
+    kv = [torch.zeros(nb, H, bs, 2 * D) for _ in range(L)]
+    pipe = Pipeline(_FailsOnRow(45 + I), TopK())
+    for r, P in prompts.items():
+        rt.add(r, Settings(pipeline=pipe, budget=B, interval=I, seed=0), P)
+    counts = _drive(rt, prompts, kv, rows, data, I)
+    got = rt.compress_many([(r, rt.requests[r], counts[r], rows[r]) for r in prompts], kv)
+    assert isinstance(got["b"], RuntimeError) and "breaks the scorer" in str(got["b"])
+    assert got["a"] == kept_row(rows["a"], counts["a"], B, bs) and got["c"] == kept_row(rows["c"], counts["c"], B, bs)
+    assert rt.stats.event_groups == 4 and rt.stats.events == 2  # the group, then each request alone
+    assert rt.requests["a"].held == rt.requests["c"].held == B and rt.requests["b"].held == 45 + I
+
+
+class _ThreadGather:
+    """`all_gather` across ranks that are threads of this process (rank order along `dim`)."""
+
+    def __init__(self, n: int):
+        import threading
+
+        self.parts, self.barrier = [None] * n, threading.Barrier(n, timeout=60)
+
+    def of(self, rank: int):
+        def gather(x, dim):
+            self.parts[rank] = x
+            self.barrier.wait()
+            out = torch.cat(self.parts, dim)
+            self.barrier.wait()
+            return out
+        return gather
+
+
+@pytest.mark.parametrize("preset", ["random_attention", "tova", "snapkv", "rkv", "merging(snapkv)"])
+def test_tensor_parallel_ranks_pack_what_one_rank_packs(preset):
+    """Two tensor-parallel ranks, each holding half the KV heads (and their query heads), run the events of one
+    step together through a gather across the ranks and pack, in their own heads, exactly what one rank holding
+    every head packs: the same generator draws (random_attention) and the same head-coupled scores (tova's mean
+    over heads), and every head keeps the budget (one block table)."""
+    import threading
+
+    L, H, G, D, bs, B, I = 2, 4, 2, 8, 8, 32, 16
+    pipe = {"merging(snapkv)": methods.merging(methods.snapkv()),
+            "random_attention": methods.random_attention(recent=8)}.get(preset) or methods.PRESETS[preset]()
+    prompts = {"a": 30, "b": 45}
+    g = torch.Generator().manual_seed(4)
+    nb = 48
+    keys, vals = ({r: torch.randn(L, H, 200, D, generator=g) for r in prompts} for _ in range(2))
+    queries = {r: torch.randn(L, 200, H * G, D, generator=g) for r in prompts}
+    perm = torch.randperm(nb - 1, generator=g).add(1).tolist()
+    rows0 = {r: perm[12 * j:12 * (j + 1)] for j, r in enumerate(prompts)}
+
+    def run(rank, size, gather, out):
+        h = slice(rank * H // size, (rank + 1) * H // size)
+        layout = PagedLayout("FLASH_ATTN", D, bs)
+        rt = Runtime(num_layers=L, num_kv_heads=H // size, num_q_heads=H * G // size, head_dim=D, block_size=bs,
+                     device="cpu", dtype=torch.float32, scales=[D ** -0.5] * L, max_seqs=4, query_window=64,
+                     layout=layout, tp_rank=rank, tp_size=size, gather=gather)
+        data = ({r: x[:, h] for r, x in keys.items()}, {r: x[:, h] for r, x in vals.items()},
+                {r: x[:, :, h.start * G:h.stop * G] for r, x in queries.items()})
+        kv = [torch.zeros(nb, H // size, bs, 2 * D) for _ in range(L)]
+        rows = {r: list(x) for r, x in rows0.items()}
+        for r, P in prompts.items():
+            rt.add(r, Settings(pipeline=pipe, budget=B, interval=I, seed=5), P)
+        counts = None
+        for _ in range(2):
+            counts = _drive(rt, prompts, kv, rows, data, I, counts)
+            got = rt.compress_many([(r, rt.requests[r], counts[r], rows[r]) for r in prompts], kv)
+            assert not any(isinstance(x, BaseException) for x in got.values()), got
+            for r in prompts:
+                rows[r] = got[r] + [b for b in rows[r] if b not in got[r]]
+        out[rank] = (kv, rows, {r: rt.requests[r].kept_pos for r in prompts})
+
+    one = {}
+    run(0, 1, None, one)
+    two = {}
+    tg = _ThreadGather(2)
+    threads = [threading.Thread(target=run, args=(k, 2, tg.of(k), two)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(two) == {0, 1}, "a rank failed"
+    kv1, rows1, pos1 = one[0]
+    for k in (0, 1):
+        kv2, rows2, pos2 = two[k]
+        assert rows2 == rows1  # one block table for every rank
+        for r in prompts:
+            assert torch.equal(pos2[r], pos1[r]), (k, r)  # every rank knows every head's kept positions
+            lead = torch.tensor(rows1[r][: B // bs])
+            for i in range(L):
+                assert torch.equal(kv2[i][lead], kv1[i][lead][:, 2 * k:2 * k + 2]), (k, r, i)
 
 
 def test_plan_turns_logical_positions_into_physical_slots():

@@ -9,18 +9,26 @@ W ring window, h tokens a request holds, B its budget.
 
 from __future__ import annotations
 
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ...pipeline import Pipeline
-from ...view import KVComposeError, LayerSpec, LayerView
+from ...view import FAR_POSITION, KVComposeError, LayerSpec, LayerView
 from .rules import Settings, event_due, kept_row, layer_seed
 
 __all__ = ["PagedLayout", "RequestState", "Runtime", "StepPlan", "Stats"]
+
+
+def _bits(x: Tensor) -> Tensor:
+    """A 16-bit float tensor seen as int16 (the same bits; moves by index are several times faster than in
+    bfloat16 on CPU), any other unchanged."""
+    return x.view(torch.int16) if x.dtype in (torch.bfloat16, torch.float16) else x
 
 
 class PagedLayout:
@@ -69,6 +77,65 @@ class PagedLayout:
         n = self.bs * self.D
         return base + self.kmap[off][None], base + n + self.vmap[off][None]
 
+    def _kinds(self) -> tuple[str, str]:
+        """How each measured map lays a block's (slot, dim) out: "rows" (`[block_size, D]`, as the values of the
+        `vec` ISA), "cols" (`[D, block_size]`, its keys) or "perm" (any other permutation: moved by index)."""
+        if getattr(self, "_kind", None) is None:
+            bs, D = self.bs, self.D
+            rows = torch.arange(bs * D, device=self.kmap.device).view(bs, D)
+            cols = torch.arange(bs * D, device=self.kmap.device).view(D, bs).t()
+            self._kind = tuple("rows" if torch.equal(m, rows) else "cols" if torch.equal(m, cols) else "perm"
+                               for m in (self.kmap, self.vmap))
+        return self._kind
+
+    def by_blocks(self, kv: Tensor) -> bool:
+        """Whether whole blocks move faster than slots: a contiguous cache whose blocks lay their keys and values
+        out in rows or columns (any other permutation is moved slot by slot, by index: faster on CPU)."""
+        return kv.is_contiguous() and (self.kmap is None or "perm" not in self._kinds())
+
+    def load_blocks(self, kv: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Keys and values of whole blocks, `[m, H, block_size, D]` each, read block by block (one contiguous
+        row of the cache per block: a fast `index_select`), or None when the cache is not contiguous (then
+        `gather` by slots)."""
+        self._check(kv)
+        if not self.by_blocks(kv):
+            return None
+        m, H, bs, D = blocks.shape[0], kv.shape[1], self.bs, self.D
+        x = kv.view(kv.shape[0], -1).index_select(0, blocks).view(m, H, 2 * bs * D)
+        if self.kmap is None:  # [.., slot, k | v]
+            x = x.view(m, H, bs, 2 * D)
+            return x[..., :D], x[..., D:]
+        n = bs * D
+        out = []
+        for part, kind in zip((x[..., :n], x[..., n:]), self._kinds()):
+            if kind == "rows":
+                out.append(part.view(m, H, bs, D))
+            else:  # "cols" (`by_blocks`)
+                out.append(part.view(m, H, D, bs).transpose(-1, -2))
+        return out[0], out[1]
+
+    def store_blocks(self, kv: Tensor, blocks: Tensor, keys: Tensor, values: Tensor) -> bool:
+        """Write whole blocks (`keys`, `values`: `[m, H, block_size, D]`) in place, one contiguous row per
+        block; False (nothing written) when the cache is not contiguous (then `scatter` by slots)."""
+        self._check(kv)
+        if not self.by_blocks(kv):
+            return False
+        m, H = blocks.shape[0], kv.shape[1]
+        keys, values = keys.to(kv.dtype), values.to(kv.dtype)
+        if self.kmap is None:
+            x = torch.cat([keys, values], dim=-1)
+        else:
+            parts = []
+            for part, kind in zip((keys, values), self._kinds()):
+                if kind == "rows":
+                    parts.append(part.reshape(m, H, -1))
+                else:  # "cols" (`by_blocks`)
+                    parts.append(part.transpose(-1, -2).reshape(m, H, -1))
+            x = torch.cat(parts, dim=-1)
+        rows = kv.view(kv.shape[0], -1)
+        _bits(rows).index_copy_(0, blocks, _bits(x.reshape(m, -1)))
+        return True
+
     @staticmethod
     def _flat(kv: Tensor) -> Tensor:
         return kv.as_strided((kv.untyped_storage().nbytes() // kv.element_size() - kv.storage_offset(),), (1,),
@@ -88,11 +155,55 @@ class PagedLayout:
         flat.index_copy_(0, vi.reshape(-1), values.reshape(-1).to(flat.dtype))
 
 
+class _GroupIO:
+    """Reads the held keys and values of a group's rows and writes their kept ones, per layer: whole blocks when
+    the cache is contiguous (`PagedLayout.load_blocks` / `store_blocks`: one row per block), else slot by slot.
+
+    `blocks`: `[n, nbT]` each row's blocks covering `T` slots (padded with its first block); `blk`, `off`: `[n, T]`
+    the block and offset of every slot (padded slots point at the row's first slot; they are masked)."""
+
+    def __init__(self, layout: PagedLayout, kv0: Tensor, blocks: Tensor, blk: Tensor, off: Tensor, n: int, H: int,
+                 T: int, B: int, D: int):
+        self.layout, self.blocks, self.blk, self.off = layout, blocks, blk, off
+        self.n, self.H, self.T, self.B, self.D = n, H, T, B, D
+        self.lead = blocks[:, : B // layout.bs].reshape(-1)  # the blocks the kept tokens fill, whole
+        self._src = self._dst = None
+
+    def load(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        n, H, T, D, bs = self.n, self.H, self.T, self.D, self.layout.bs
+        got = self.layout.load_blocks(kv, self.blocks.reshape(-1))
+        if got is not None:
+            nb = self.blocks.shape[1]
+            k, v = (x.view(n, nb, H, bs, D).transpose(1, 2).reshape(n, H, nb * bs, D)[:, :, :T] for x in got)
+            return k, v
+        if self._src is None:
+            src = self.layout.index(kv, self.blk.reshape(-1), self.off.reshape(-1))  # [H, n * T, D] each
+            self._src = tuple(x.view(H, n, T, D).transpose(0, 1).reshape(-1) for x in src)
+        flat = self.layout._flat(kv)
+        return (flat.index_select(0, self._src[0]).view(n, H, T, D),
+                flat.index_select(0, self._src[1]).view(n, H, T, D))
+
+    def store(self, kv: Tensor, keys: Tensor, values: Tensor) -> None:
+        """`keys`, `values`: `[n, H, B, D]`, the kept tokens in order (they fill the leading blocks exactly)."""
+        n, H, B, D, bs = self.n, self.H, self.B, self.D, self.layout.bs
+        lead = B // bs
+        k, v = (x.reshape(n, H, lead, bs, D).transpose(1, 2).reshape(n * lead, H, bs, D) for x in (keys, values))
+        if self.layout.store_blocks(kv, self.lead, k, v):
+            return
+        if self._dst is None:
+            dst = self.layout.index(kv, self.blk[:, :B].reshape(-1), self.off[:, :B].reshape(-1))
+            self._dst = tuple(x.view(H, n, B, D).transpose(0, 1).reshape(-1) for x in dst)
+        flat = self.layout._flat(kv)
+        flat.index_copy_(0, self._dst[0], keys.reshape(-1).to(flat.dtype))
+        flat.index_copy_(0, self._dst[1], values.reshape(-1).to(flat.dtype))
+
+
 @dataclass
 class Stats:
     """Counters of one worker (all in seconds of wall time, host side)."""
 
     events: int = 0  # request events (each runs every layer)
+    event_groups: int = 0  # groups of requests whose events ran as rows of one LayerView (one select per layer)
     event_seconds: float = 0.0  # LayerView + Pipeline.select + packing, every layer
     plan_seconds: float = 0.0  # per-step bookkeeping: counts, block-table rows, physical positions, ring plan
     builder_seconds: float = 0.0  # slot mapping and lengths rewritten in the attention metadata builder
@@ -126,6 +237,7 @@ class RequestState:
     gens: list[torch.Generator] | None = None
     states: list[Any] | None = None  # per layer: the pipeline's state tuple
     failed: bool = False  # its kvcompose work failed: no further event (the scheduler finishes it)
+    key: tuple[bytes, bool] | None = None  # its pipeline's pickle and whether it runs alone (`Runtime._group_key`)
 
     @property
     def offset(self) -> int:
@@ -160,14 +272,27 @@ class Runtime:
         block_size: vLLM's block size. device, dtype: of the KV cache. scales: each layer's attention scale.
         max_seqs: ring slots (vLLM's `max_num_seqs`). query_window: ring window W (the largest window a
             request's pipeline may read). layout: `PagedLayout` of the backend.
+        tp_rank, tp_size, gather: tensor parallelism. `num_kv_heads` and `num_q_heads` are this rank's (KV heads
+            `tp_rank * H ... (tp_rank + 1) * H - 1` of the model's `tp_size * H`); `gather(x, dim)` concatenates
+            every rank's `x` along `dim` in rank order (vLLM's `get_tp_group().all_gather`). At an event every
+            rank gathers the held keys, values and recorded queries of all heads and runs the pipeline on all of
+            them, exactly as one rank would (the same generator draws, head-coupled scorers see every head), then
+            packs its own heads: every head keeps `budget` tokens, so one block table serves every rank.
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype, scales: list[float], max_seqs: int, query_window: int,
-                 layout: PagedLayout):
+                 layout: PagedLayout, tp_rank: int = 0, tp_size: int = 1, gather=None):
+        if tp_size > 1 and gather is None:
+            raise KVComposeError("tensor parallelism needs a gather across the ranks")
+        if not 0 <= tp_rank < tp_size:
+            raise KVComposeError(f"tensor-parallel rank {tp_rank} of {tp_size}")
         if num_q_heads % num_kv_heads:
             raise KVComposeError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
         self.L, self.H, self.Hq, self.D = num_layers, num_kv_heads, num_q_heads, head_dim
+        self.tp_rank, self.tp_size, self.gather = tp_rank, tp_size, gather
+        self.Hg = num_kv_heads * tp_size  # the model's KV heads (kept positions are known for all of them)
+        self.heads = slice(tp_rank * num_kv_heads, (tp_rank + 1) * num_kv_heads)  # this rank's, globally
         self.block_size = block_size
         self.device, self.dtype = torch.device(device), dtype
         self.scales = list(scales)
@@ -269,119 +394,262 @@ class Runtime:
         return q, pos, torch.ones(1, idx.shape[0], dtype=torch.bool, device=self.device)
 
     # -- the event --------------------------------------------------------------------------------
-    def _positions(self, st: RequestState, layer_idx: int) -> Tensor:
-        """`[H, h]` logical positions of the tokens a layer holds (the kept ones, then the newer ones)."""
+    def _all_positions(self, st: RequestState, width: int) -> Tensor:
+        """`[L, Hg, width]`: `_positions` of every layer at once."""
         if st.kept_pos is None:
-            return torch.arange(st.held, device=self.device).expand(self.H, st.held)
+            return torch.arange(width, device=self.device).expand(self.L, self.Hg, width)
         b = st.kept_pos.shape[-1]
-        newer = st.c_event + torch.arange(st.held - b, device=self.device)
-        return torch.cat([st.kept_pos[layer_idx], newer.expand(self.H, -1)], dim=1)
+        newer = st.c_event + torch.arange(width - b, device=self.device)
+        return torch.cat([st.kept_pos, newer.expand(self.L, self.Hg, -1)], dim=2)
+
+    def _positions(self, st: RequestState, layer_idx: int, width: int | None = None) -> Tensor:
+        """`[Hg, width]` logical positions of the tokens a layer holds in each of the model's KV heads (the kept
+        ones, then the newer ones), continued past the held count up to `width` (default: the held count)."""
+        width = st.held if width is None else width
+        if st.kept_pos is None:
+            return torch.arange(width, device=self.device).expand(self.Hg, width)
+        b = st.kept_pos.shape[-1]
+        newer = st.c_event + torch.arange(width - b, device=self.device)
+        return torch.cat([st.kept_pos[layer_idx], newer.expand(self.Hg, -1)], dim=1)
+
+    def _ring_index(self, st: RequestState, window: int) -> Tensor:
+        """`[window]` flat ring indices of the request's last `window` queries, oldest first (the ring must hold
+        at least `window`: `_group_key` groups by the count)."""
+        if st.ring_n < self.W:
+            idx = torch.arange(st.ring_n, device=self.device)
+        else:
+            idx = (st.ring_head + torch.arange(self.W, device=self.device)) % self.W
+        return st.slot * self.W + idx[-window:]
 
     def compress(self, req_id: str, st: RequestState, n_computed: int, row: list[int],
                  kv_caches: list[Tensor]) -> list[int]:
-        """Run the event of one request before the step's forward: every layer keeps `budget` tokens per KV
-        head, packed in place into the first `budget / block_size` blocks of `row` (its physical block list),
-        with the merged values when the pipeline has a `Merger`; returns the row it keeps (see
-        `rules.keep_blocks`). It writes only into those leading blocks."""
-        t0 = time.perf_counter()
+        """Run the event of one request before the step's forward (`compress_many` with one request); returns
+        the row it keeps. Raises what the event raised."""
+        out = self.compress_many([(req_id, st, n_computed, row)], kv_caches)[req_id]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def _group_key(self, st: RequestState, n_computed: int) -> tuple:
+        """Requests whose events can run as rows of one `LayerView`: the same pipeline (its pickle), budget and
+        window, the same decoded count (so one `prompt_length` marks every row's prompt once the rows are aligned
+        on their last token), event count and queries in the ring; a pipeline that draws random numbers or keeps
+        state runs alone (each request has its own generators and states)."""
         s = st.settings
-        pipe: Pipeline = s.pipeline
-        bs, B, h = self.block_size, s.budget, st.held
-        new_row = kept_row(row, n_computed, B, bs)
-        need = -(-h // bs)
-        if len(row) < need:
-            raise KVComposeError(f"request {req_id} holds {h} tokens in {len(row)} blocks of {bs}")
-        table = torch.tensor(row[:need], dtype=torch.long, device=self.device)
-        q = torch.arange(h, device=self.device)
-        blk, off = table[q // bs], q % bs
-        dblk, doff = blk[:B], off[:B]
-        if st.gens is None:
-            st.gens = []
-            for i in range(self.L):
-                g = torch.Generator(device=self.device)
-                g.manual_seed(layer_seed(s.seed, i))
-                st.gens.append(g)
-            st.states = [pipe.init(LayerSpec(i, self.L, 1, self.H, self.D, self.D, self.device, self.dtype))
-                         for i in range(self.L)]
-            self.stats.compressed_requests += 1
-        kept_pos = torch.empty(self.L, self.H, B, dtype=torch.long, device=self.device)
-        src = self.layout.index(kv_caches[0], blk, off)  # the same offsets in every layer's tensor
-        dst = self.layout.index(kv_caches[0], dblk, doff)
-        bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        w = s.query_window
-        for i in range(self.L):
-            if kv_caches[i].shape != kv_caches[0].shape or kv_caches[i].stride() != kv_caches[0].stride():
-                raise KVComposeError("kvcompose expects every layer's KV cache to have the same shape and strides")
-            keys, values = self.layout.gather(kv_caches[i], blk, off, src)  # [H, h, D]
-            pos = self._positions(st, i)
-            ring = self._queries(st, i, w)
-            view = LayerView(
-                layer_idx=i, num_layers=self.L, keys=keys[None], values=values[None], positions=pos[None],
-                valid=torch.ones(1, self.H, h, dtype=torch.bool, device=self.device), prompt_length=st.prompt_len,
-                queries=None if ring is None else ring[0], query_positions=None if ring is None else ring[1],
-                query_valid=None if ring is None else ring[2], seen=n_computed, scale=self.scales[i],
-                generator=st.gens[i], event=st.events, rows=None, cache_budget=B,
-            )
-            sel, st.states[i] = pipe.select(view, B, st.states[i])
-            if sel.values is not None:  # a Merger: the kept tokens take the merged values (keys never change)
-                values = sel.values[0]
-            kept = sel.kept[0]
-            if kept.shape[-1] != B:
-                raise KVComposeError(f"{pipe!r} kept {kept.shape[-1]} tokens per head at budget {B}; the vLLM route "
-                                     "needs exactly the budget (the scheduler frees blocks by that count)")
-            bad |= (kept < 0).any()
-            idx = kept.clamp(min=0)[..., None].expand(-1, -1, self.D)
-            self.layout.scatter(kv_caches[i], dblk, doff, keys.gather(1, idx), values.gather(1, idx), dst)
-            kept_pos[i] = pos.gather(1, kept.clamp(min=0))
-        if bool(bad):  # one host sync per event, not per layer
-            raise KVComposeError(f"{pipe!r} kept fewer than {B} tokens in some head (padded selection)")
-        st.kept_pos, st.c_event, st.held = kept_pos, n_computed, B
-        st.events += 1
-        self.stats.events += 1
+        if st.key is None:
+            spec = LayerSpec(0, self.L, 1, self.Hg, self.D, self.D, self.device, self.dtype)
+            alone = s.pipeline.draws_random or any(x is not None for x in s.pipeline.init(spec))
+            st.key = (pickle.dumps(s.pipeline), alone)
+        w = min(st.ring_n, s.query_window) if st.slot is not None else 0
+        return (st.key[0], s.budget, n_computed - st.prompt_len, st.events, w, id(st) if st.key[1] else None)
+
+    def compress_many(self, items: list[tuple[str, RequestState, int, list[int]]], kv_caches: list[Tensor]
+                      ) -> dict[str, list[int] | BaseException]:
+        """Run the events due at this step, before its forward: every layer keeps `budget` tokens per KV head of
+        each request, packed in place into the first `budget / block_size` blocks of its row (its physical block
+        list), with the merged values when the pipeline has a `Merger`. Requests that can share a `LayerView`
+        (`_group_key`) run as its rows, one `Pipeline.select` per layer for the group (rows right-padded to the
+        longest with invalid slots at `FAR_POSITION`, positions shifted so that every row's last token is at the
+        same place: `LayerView.padding`). Returns, per request id, the row it keeps (`rules.keep_blocks`) or the
+        exception its group raised (that group's requests wrote nothing, or only into their leading blocks)."""
+        t0 = time.perf_counter()
+        groups: dict[tuple, list] = {}
+        out: dict[str, Any] = {}
+        for it in items:
+            try:
+                groups.setdefault(self._group_key(it[1], it[2]), []).append(it)
+            except Exception as e:  # noqa: BLE001 - that request alone
+                out[it[0]] = e
+        todo = list(groups.values())
+        while todo:
+            group = todo.pop(0)
+            try:
+                self.stats.event_groups += 1
+                out.update(self._compress_group(group, kv_caches))
+            except Exception as e:  # noqa: BLE001 - the group's requests fail, the others go on
+                if len(group) > 1 and not getattr(e, "kvc_written", False):
+                    todo[:0] = [[it] for it in group]  # nothing was written: each request again, alone
+                    continue
+                for it in group:
+                    out[it[0]] = e
         self.stats.event_seconds += time.perf_counter() - t0
-        return new_row
+        return out
+
+    def _compress_group(self, group: list, kv_caches: list[Tensor]) -> dict[str, list[int]]:
+        dev, bs, D, H, L, Hg = self.device, self.block_size, self.D, self.H, self.L, self.Hg
+        s0: Settings = group[0][1].settings
+        pipe: Pipeline = s0.pipeline
+        B, w = s0.budget, s0.query_window
+        n = len(group)
+        new_rows, blks = [], []
+        held = [it[1].held for it in group]
+        seen = [it[2] for it in group]
+        T, C = max(held), max(seen)
+        for rid, st, c, row in group:
+            new_rows.append(kept_row(row, c, B, bs))
+            need = -(-st.held // bs)
+            if len(row) < need:
+                raise KVComposeError(f"request {rid} holds {st.held} tokens in {len(row)} blocks of {bs}")
+            blks.append(row[:need])
+        for kv in kv_caches[1:]:
+            if kv.shape != kv_caches[0].shape or kv.stride() != kv_caches[0].stride():
+                raise KVComposeError("kvcompose expects every layer's KV cache to have the same shape and strides")
+        # slots of every row, right-padded to T with the row's first slot (masked invalid below)
+        hv = torch.tensor(held, dtype=torch.long)
+        q = torch.arange(T)
+        ok = q[None, :] < hv[:, None]  # [n, T]
+        width = max(len(b) for b in blks)
+        table = torch.tensor([b + [b[0]] * (width - len(b)) for b in blks], dtype=torch.long)  # [n, nb]
+        qq = torch.where(ok, q[None, :], 0)
+        nbT = -(-T // bs)
+        io = _GroupIO(self.layout, kv_caches[0], table[:, :nbT].to(dev), table.gather(1, qq // bs).to(dev),
+                      (qq % bs).to(dev), n, H, T, B, D)
+        valid = ok.to(dev)[:, None, :].expand(n, Hg, T)
+        shift = torch.tensor([C - c for c in seen], dtype=torch.long, device=dev)  # left padding per row
+        padded = bool((shift != 0).any())
+        sts = [it[1] for it in group]
+        for st in sts:
+            if st.gens is None:
+                st.gens = []
+                for i in range(L):
+                    g = torch.Generator(device=dev)
+                    g.manual_seed(layer_seed(st.settings.seed, i))
+                    st.gens.append(g)
+                st.states = [pipe.init(LayerSpec(i, L, 1, Hg, D, D, dev, self.dtype)) for i in range(L)]
+                self.stats.compressed_requests += 1
+        kept_pos = torch.empty(n, L, Hg, B, dtype=torch.long, device=dev)
+        far = torch.tensor(FAR_POSITION, dtype=torch.long, device=dev)
+        ring_idx = None
+        wq = min(sts[0].ring_n, w) if sts[0].slot is not None else 0  # the same for every row (`_group_key`)
+        if wq:
+            ring_idx = torch.stack([self._ring_index(st, wq) for st in sts])  # [n, wq]
+        positions = torch.stack([self._all_positions(st, T) for st in sts])  # [n, L, Hg, T] (past held: masked)
+        vpositions = torch.where(valid[:, None], positions + shift[:, None, None, None], far)
+        self._select_layers(group, kv_caches, pipe, B, T, C, seen, io, valid, shift, padded, sts, ring_idx,
+                            positions, vpositions, kept_pos)
+        out = {}
+        for r, (rid, st, c, row) in enumerate(group):
+            st.kept_pos, st.c_event, st.held = kept_pos[r], c, B
+            st.events += 1
+            self.stats.events += 1
+            out[rid] = new_rows[r]
+        return out
+
+    def _select_layers(self, group, kv_caches, pipe, B, T, C, seen, io, valid, shift, padded, sts, ring_idx,
+                       positions, vpositions, kept_pos) -> None:
+        """The per-layer part of `_compress_group` (one `Pipeline.select` per layer for the group's rows). An
+        exception carries `kvc_written`: whether the cache was written (if not, the requests can run alone)."""
+        dev, D, H, L = self.device, self.D, self.H, self.L
+        tp = self.tp_size > 1
+        n = len(group)
+        alone = n == 1
+        bad = torch.zeros((), dtype=torch.bool, device=dev)
+        written = False
+        try:
+            for i in range(L):
+                keys, values = io.load(kv_caches[i])  # [n, H, T, D]
+                if tp:  # every rank sees every head (rank order = the model's head order)
+                    keys, values = self.gather(keys, 1), self.gather(values, 1)
+                pos, vpos = positions[:, i], vpositions[:, i]  # [n, Hg, T]: logical, and the view's
+                qs = qpos = qv = None
+                if ring_idx is not None:
+                    qs = self.ring[i].index_select(0, ring_idx.reshape(-1)).view(n, -1, self.Hq, D).transpose(1, 2)
+                    if tp:
+                        qs = self.gather(qs.contiguous(), 1)
+                    qpos = self.ring_pos.index_select(0, ring_idx[0]) + shift[0]
+                    qv = torch.ones(n, ring_idx.shape[1], dtype=torch.bool, device=dev)
+                view = LayerView(
+                    layer_idx=i, num_layers=L, keys=keys, values=values, positions=vpos, valid=valid,
+                    prompt_length=sts[0].prompt_len + C - seen[0], queries=qs, query_positions=qpos,
+                    query_valid=qv, seen=C, scale=self.scales[i], generator=sts[0].gens[i], event=sts[0].events,
+                    rows=None, cache_budget=B, padding=shift if padded else None,
+                )
+                sel, state = pipe.select(view, B, sts[0].states[i] if alone else None)
+                if alone:
+                    sts[0].states[i] = state
+                if sel.values is not None:  # a Merger: the kept tokens take the merged values (keys never change)
+                    values = sel.values
+                kept = sel.kept
+                if kept.shape[-1] != B:
+                    raise KVComposeError(f"{pipe!r} kept {kept.shape[-1]} tokens per head at budget {B}; the vLLM "
+                                         "route needs exactly the budget (the scheduler frees blocks by that count)")
+                bad |= (kept < 0).any()
+                kc = kept.clamp(min=0)
+                own = kc[:, self.heads] if tp else kc  # this rank packs its own heads
+                if tp:
+                    keys, values = keys[:, self.heads], values[:, self.heads]
+                rows = ((torch.arange(n * H, device=dev) * T).view(n, H, 1) + own).reshape(-1)
+                new_k = keys.reshape(n * H * T, D).index_select(0, rows).view(n, H, B, D)
+                new_v = values.reshape(n * H * T, D).index_select(0, rows).view(n, H, B, D)
+                written = True
+                io.store(kv_caches[i], new_k, new_v)
+                kept_pos[:, i] = pos.gather(2, kc)
+            if bool(bad):  # one host sync per group's event, not per layer
+                raise KVComposeError(f"{pipe!r} kept fewer than {B} tokens in some head (padded selection)")
+        except Exception as e:
+            e.kvc_written = written
+            raise
 
     # -- the step ---------------------------------------------------------------------------------
     def plan(self, batch: list[tuple[str, int, int]]) -> StepPlan:
         """The step's plan from its batch, in row order: `(req_id, num_computed_tokens, scheduled tokens)`."""
-        physical = False
-        rows, phys, seq, ring_src, ring_dst, ring_pos = [], [], [], [], [], []
-        t = 0
-        for r, (rid, c, n) in enumerate(batch):
-            st = self.requests.get(rid)
-            held = c if st is None else st.held
-            if held != c:
-                physical = True
-            rows.append(torch.full((n,), r, dtype=torch.long))
-            phys.append(torch.arange(held, held + n, dtype=torch.long))
-            seq.append(held + n)
-            if st is not None and st.slot is None and st.settings.query_window > 0 and self.W > 0:
-                if self.free_slots:
-                    st.slot = self.free_slots.pop()
-                elif not st.failed:  # never expected (one slot per running request): this request alone fails
-                    self.fail(rid, f"kvcompose: the query ring's {self.S} slots are all in use")
-            if st is not None and st.slot is not None:
-                m = min(n, self.W)
-                i = torch.arange(m, dtype=torch.long)
-                ring_src.append(t + n - m + i)
-                ring_dst.append(st.slot * self.W + (st.ring_head + i) % self.W)
-                ring_pos.append(c + n - m + i)
-                st.ring_head = (st.ring_head + m) % self.W
-                st.ring_n = min(st.ring_n + m, self.W)
-            t += n
+        return self.plan_arrays([b[0] for b in batch], [b[1] for b in batch], [b[2] for b in batch])
+
+    def plan_arrays(self, ids: list[str], computed, scheduled) -> StepPlan:
+        """`plan` from the batch's columns (`computed`: vLLM's `num_computed_tokens` per row, a list or int
+        array; `scheduled`: tokens per row): one pass over the rows for their held counts and ring slots, then
+        the per-token tensors built at once (no tensor per row)."""
+        R = len(ids)
+        c = np.asarray(computed, dtype=np.int64)[:R]
+        n = np.asarray(scheduled, dtype=np.int64)
+        reqs = self.requests
+        sts = [reqs.get(rid) for rid in ids]
+        held = np.fromiter((ci if st is None else st.held for st, ci in zip(sts, c.tolist())), dtype=np.int64,
+                           count=R)
+        physical = bool((held != c).any())
+        t = int(n.sum())
         plan = StepPlan(physical=physical, num_tokens=t)
         dev = self.device
+        starts = np.cumsum(n) - n
         if physical:
-            plan.tok_row = torch.cat(rows).to(dev, non_blocking=True)
-            plan.tok_phys = torch.cat(phys).to(dev, non_blocking=True)
-            plan.seq_lens_cpu = torch.tensor(seq, dtype=torch.int32)
+            tok_row = np.repeat(np.arange(R), n)
+            tok_phys = held[tok_row] + np.arange(t) - starts[tok_row]
+            plan.tok_row = torch.from_numpy(tok_row).to(dev, non_blocking=True)
+            plan.tok_phys = torch.from_numpy(tok_phys).to(dev, non_blocking=True)
+            seq = held + n
+            plan.seq_lens_cpu = torch.from_numpy(seq.astype(np.int32))
             plan.seq_lens = plan.seq_lens_cpu.to(dev, non_blocking=True)
-            plan.max_seq_len = max(seq)
-        if ring_src:
-            self._ensure_ring()
-            plan.ring_src = torch.cat(ring_src).to(dev, non_blocking=True)
-            plan.ring_dst = torch.cat(ring_dst).to(dev, non_blocking=True)
-            self.ring_pos.index_copy_(0, plan.ring_dst, torch.cat(ring_pos).to(dev, non_blocking=True))
+            plan.max_seq_len = int(seq.max())
+        if self.W > 0:
+            ring_rows, slots, heads = [], [], []
+            for r, st in enumerate(sts):
+                if st is None or st.settings.query_window <= 0:
+                    continue
+                if st.slot is None:
+                    if self.free_slots:
+                        st.slot = self.free_slots.pop()
+                    else:
+                        if not st.failed:  # never expected (one slot per running request): this request alone fails
+                            self.fail(ids[r], f"kvcompose: the query ring's {self.S} slots are all in use")
+                        continue
+                m = min(int(n[r]), self.W)
+                ring_rows.append(r)
+                slots.append(st.slot)
+                heads.append(st.ring_head)
+                st.ring_head = (st.ring_head + m) % self.W
+                st.ring_n = min(st.ring_n + m, self.W)
+            if ring_rows:
+                rr = np.asarray(ring_rows)
+                m = np.minimum(n[rr], self.W)
+                row_of = np.repeat(np.arange(len(rr)), m)
+                i = np.arange(int(m.sum())) - (np.cumsum(m) - m)[row_of]
+                src = (starts[rr] + n[rr] - m)[row_of] + i
+                dst = np.asarray(slots)[row_of] * self.W + (np.asarray(heads)[row_of] + i) % self.W
+                pos = (c[rr] + n[rr] - m)[row_of] + i
+                self._ensure_ring()
+                plan.ring_src = torch.from_numpy(src).to(dev, non_blocking=True)
+                plan.ring_dst = torch.from_numpy(dst).to(dev, non_blocking=True)
+                self.ring_pos.index_copy_(0, plan.ring_dst, torch.from_numpy(pos).to(dev, non_blocking=True))
         self.step = plan
         return plan
 

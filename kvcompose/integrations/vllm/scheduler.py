@@ -62,8 +62,13 @@ def check_engine(vllm_config, kv_cache_config=None) -> None:
         problems.append("async scheduling (async_scheduling=False: the worker and the scheduler count the same steps)")
     if vllm_config.speculative_config is not None:
         problems.append("speculative decoding")
-    if par.pipeline_parallel_size > 1 or par.tensor_parallel_size > 1:
-        problems.append("pipeline or tensor parallelism (untested; head-coupled scorers would see one rank's heads)")
+    if par.pipeline_parallel_size > 1:
+        problems.append("pipeline parallelism (each stage's worker holds some layers and the engine steps several "
+                        "batches in flight, so the stages would compress at different steps than the scheduler "
+                        "frees: docs/serving.md, 'Pipeline parallelism')")
+    if par.tensor_parallel_size > 1 and model is not None and model.get_total_num_kv_heads() % par.tensor_parallel_size:
+        problems.append(f"tensor_parallel_size={par.tensor_parallel_size} with {model.get_total_num_kv_heads()} KV "
+                        "heads (vLLM then replicates heads across ranks; kvcompose needs each head on one rank)")
     if getattr(par, "decode_context_parallel_size", 1) > 1 or getattr(par, "prefill_context_parallel_size", 1) > 1:
         problems.append("context parallelism")
     if vllm_config.kv_transfer_config is not None:

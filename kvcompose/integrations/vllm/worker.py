@@ -92,12 +92,23 @@ class KVComposeRunner:
         maps = None
         if kind == "CPU_ATTN":
             maps = cpu_layout_maps(layers[0], spec.num_kv_heads, block_size, spec.head_size, kv[0].dtype)
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        tp_rank, gather = 0, None
+        if tp > 1:
+            from vllm.distributed import get_tp_group
+
+            group = get_tp_group()
+            total = vllm_config.model_config.get_total_num_kv_heads()
+            if total % tp or spec.num_kv_heads * tp != total:
+                raise KVComposeError(f"tensor_parallel_size={tp} does not divide the model's {total} KV heads (vLLM "
+                                     "replicates them then; kvcompose needs each head on one rank)")
+            tp_rank, gather = group.rank_in_group, group.all_gather
         self._kvc = Runtime(
             num_layers=len(layers), num_kv_heads=spec.num_kv_heads, num_q_heads=impls[0].num_heads,
             head_dim=spec.head_size, block_size=block_size, device=kv[0].device, dtype=kv[0].dtype,
             scales=[float(impl.scale) for impl in impls], max_seqs=self.scheduler_config.max_num_seqs,
             query_window=self._kvc_engine.query_window,
-            layout=PagedLayout(kind, spec.head_size, block_size, maps),
+            layout=PagedLayout(kind, spec.head_size, block_size, maps), tp_rank=tp_rank, tp_size=tp, gather=gather,
         )
         self._kvc_kv = kv
         for impl in impls:
@@ -125,8 +136,11 @@ class KVComposeRunner:
                 self._kvc_guard(new.req_id, self._kvc_new, new)
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
+        due: list = []
         for i, rid in enumerate(cached.req_ids):
-            self._kvc_guard(rid, self._kvc_cached, rid, cached.num_computed_tokens[i], rid in resumed)
+            self._kvc_guard(rid, self._kvc_cached, rid, cached.num_computed_tokens[i], rid in resumed, due)
+        if due:
+            self._kvc_compress(due)
 
     def _kvc_guard(self, rid: str, fn, *args) -> None:
         """Run one request's work; if it raises, that request alone is reported as failed (see the module
@@ -134,9 +148,12 @@ class KVComposeRunner:
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - whatever it is, it concerns this request alone
-            why = f"kvcompose: the worker's work on this request failed: {type(e).__name__}: {e}"
-            logger.warning("kvcompose: request %s: %s", rid, why)
-            self._kvc.fail(rid, why)
+            self._kvc_failed(rid, e)
+
+    def _kvc_failed(self, rid: str, e: BaseException) -> None:
+        why = f"kvcompose: the worker's work on this request failed: {type(e).__name__}: {e}"
+        logger.warning("kvcompose: request %s: %s", rid, why)
+        self._kvc.fail(rid, why)
 
     def _kvc_new(self, new) -> None:
         settings = request_settings(new.sampling_params.extra_args if new.sampling_params else None,
@@ -146,7 +163,7 @@ class KVComposeRunner:
         st.last = new.num_computed_tokens
         st.held = new.num_computed_tokens
 
-    def _kvc_cached(self, rid: str, c: int, resumed: bool) -> None:
+    def _kvc_cached(self, rid: str, c: int, resumed: bool, due: list) -> None:
         rt = self._kvc
         if resumed:
             rt.restart(rid)
@@ -154,22 +171,37 @@ class KVComposeRunner:
         if st is None:
             return
         if rt.due(st, c):
-            req = self.requests[rid]
-            row = req.block_ids[0]
-            try:
-                keep = rt.compress(rid, st, c, row, self._kvc_kv)
-            except Exception as e:  # noqa: BLE001 - the row still follows the scheduler's, then the request fails
+            due.append((rid, st, c, self.requests[rid].block_ids[0]))
+        else:
+            st.last = c
+
+    def _kvc_compress(self, due: list) -> None:
+        """The events due at this step, run together (`Runtime.compress_many`), then each request's row cut. A
+        request whose event failed still has its row cut by the scheduler's rule (the scheduler freed those
+        blocks), then fails alone."""
+        rt = self._kvc
+        try:
+            kept = rt.compress_many(due, self._kvc_kv)
+        except Exception as e:  # noqa: BLE001 - compress_many returns failures; this is a bug around it
+            kept = {rid: e for rid, *_ in due}
+        for rid, st, c, row in due:
+            keep = kept.get(rid)
+            err = KVComposeError("the event returned nothing") if keep is None else (
+                keep if isinstance(keep, BaseException) else None)
+            if err is not None:
                 try:
                     keep = kept_row(row, c, st.settings.budget, self._kvc_block_size)
                     st.held, st.c_event = st.settings.budget, c
                 except Exception:  # noqa: BLE001 - the scheduler's rule failed too: it freed nothing
                     keep = None
-                st.last = c
-                if keep is not None:
+            st.last = c
+            if keep is not None:
+                try:
                     self._kvc_cut(rid, row, keep)
-                raise e
-            self._kvc_cut(rid, row, keep)
-        st.last = c
+                except Exception as e:  # noqa: BLE001 - this request alone
+                    err = err or e
+            if err is not None:
+                self._kvc_failed(rid, err)
 
     def _kvc_cut(self, rid: str, row: list[int], keep: list[int]) -> None:
         """A request's block-table row after its event, in the runner's request state and the persistent batch."""
@@ -185,16 +217,13 @@ class KVComposeRunner:
     def _kvc_after(self, so) -> None:
         rt = self._kvc
         ib = self.input_batch
-        batch = []
-        blocks = 0
-        bt = ib.block_table[0]
-        for r in range(ib.num_reqs):
-            rid = ib.req_ids[r]
-            batch.append((rid, int(ib.num_computed_tokens_cpu[r]), so.num_scheduled_tokens[rid]))
-            blocks += int(bt.num_blocks_per_row[r])
-        rt.plan(batch)
-        rt.stats.peak_requests = max(rt.stats.peak_requests, len(batch))
-        rt.stats.request_steps += len(batch)
+        n = ib.num_reqs
+        ids = ib.req_ids[:n]
+        sched = so.num_scheduled_tokens
+        rt.plan_arrays(ids, ib.num_computed_tokens_cpu[:n], [sched[r] for r in ids])
+        blocks = int(ib.block_table[0].num_blocks_per_row[:n].sum())
+        rt.stats.peak_requests = max(rt.stats.peak_requests, n)
+        rt.stats.request_steps += n
         rt.stats.peak_blocks = max(rt.stats.peak_blocks, blocks)
 
     @property
