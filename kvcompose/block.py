@@ -123,6 +123,15 @@ class Block:
     draws_random: bool = False  # True: draws from the layer's seeded generator (the cache's `seed` matters)
     padded_rows: str | None = None  # why a left-padded row may keep other tokens than the row alone (None: same)
 
+    _hook: str | None = None  # what a subclass of the role implements (set by the role's base class)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls._hook and "_hook" not in cls.__dict__ and "__call__" in cls.__dict__:
+            base = next(b for b in cls.__mro__[1:] if "_hook" in b.__dict__)
+            raise TypeError(f"{cls.__name__} overrides __call__, which the pipeline never calls (it calls "
+                            f"apply): a {base.__name__} implements {cls._hook}")
+
     def init(self, spec: LayerSpec) -> Any:
         """The block's layer state for a fresh layer (None: stateless, or token state only)."""
         return None

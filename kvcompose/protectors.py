@@ -61,6 +61,8 @@ class Protector(Block):
     takes the room the others leave (`ProtectPrompt`): the pipeline runs it after the others, with that room,
     and accepts at most one."""
 
+    _hook = "protect(view, budget, room) and max_count(budget)"
+
     fills_room: bool = False
 
     def max_count(self, budget: int) -> int:  # pragma: no cover - abstract

@@ -41,6 +41,8 @@ class Scorer(Block):
     scorer has state (token state, `init`, or parts). A stateful `score` may also return `(scores, new_state)`
     (optax's shape, as an Allocator or a Merger returns): the pipeline keeps the new state for the layer."""
 
+    _hook = "score(view) (or score(view, state))"
+
     def score(self, view: LayerView, *state: Any) -> Float[Tensor, "B H T"]:  # pragma: no cover - abstract
         raise NotImplementedError
 

@@ -98,6 +98,8 @@ class Selector(Block):
     (whole blocks, per-head counts) overrides `choose`, which gets every argument; `__call__` and `apply` stay
     the base class's, so every selector has one call shape."""
 
+    _hook = "priority(scores, valid, generator) (or choose)"
+
     needs_scores: bool = True
     ragged: bool = False  # True when kept counts may differ between rows and heads (paged storage)
 

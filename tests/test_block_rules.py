@@ -215,6 +215,17 @@ def test_every_block_class_is_in_the_rule():
     assert not missing, f"block classes no rule test covers: {missing}: add them to BLOCK_PIPELINES"
 
 
+@pytest.mark.parametrize("base, hook", [("Scorer", "score"), ("Protector", "protect"), ("Selector", "priority")])
+def test_a_block_that_overrides_call_is_refused_where_it_is_defined(base, hook):
+    """The pipeline calls a block's `apply`, which calls the role's hook: a subclass that implements `__call__`
+    instead would never run (a scorer failed with a bare NotImplementedError at its first event), so defining
+    one is refused with the hook to implement."""
+    import kvcompose
+
+    with pytest.raises(TypeError, match=f"overrides __call__.*a {base} implements {hook}"):
+        type("Mine", (getattr(kvcompose, base),), {"__call__": lambda self, *a, **k: None})
+
+
 @pytest.mark.parametrize("name", sorted(BLOCK_PIPELINES))
 def test_every_block_declares_its_draws(name):
     """One compression event (`Pipeline.select`) on a random view with a seeded generator: the generator moves if

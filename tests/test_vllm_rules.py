@@ -354,7 +354,7 @@ class _FailsOnRow(Scorer):
     def __init__(self, bad: int):
         self.bad = bad
 
-    def __call__(self, view, state=None):
+    def score(self, view):
         if bool((view.row_seen == self.bad).any()):
             raise RuntimeError("this row's data breaks the scorer")
         return view.keys.float().norm(dim=-1)
