@@ -37,13 +37,13 @@ TIE = 1e-4  # relative score gap under which a top-k selection is a near-tie (e.
 #             the comparison of that request
 
 
-def _engine(model: str, tmp, blocks: int, max_len: int, kv_bytes: int):
+def _engine(model: str, tmp, blocks: int, max_len: int, kv_bytes: int, reserve: bool = True):
     from vllm import LLM
 
     log = str(tmp / "events.jsonl")
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=max_len, max_num_seqs=64,
               num_gpu_blocks_override=blocks, kv_cache_memory_bytes=kv_bytes, seed=0, skip_tokenizer_init=True,
-              **engine_kwargs("full", block_size=BLOCK, log_file=log))
+              **engine_kwargs("full", block_size=BLOCK, log_file=log, reserve=reserve))
     return llm, log
 
 
@@ -121,7 +121,8 @@ def _check(model_dir, llm, log, prompts, budget, interval, new_tokens, presets=P
 def tiny(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tiny")
     model = tiny_llama(str(tmp / "model"))
-    llm, log = _engine(model, tmp, blocks=480, max_len=1024, kv_bytes=256 << 20)
+    # vLLM's own admission, so that a small pool preempts (the test below); the reserving one is tested apart
+    llm, log = _engine(model, tmp, blocks=480, max_len=1024, kv_bytes=256 << 20, reserve=False)
     yield model, llm, log
     del llm
 
@@ -176,6 +177,38 @@ def test_preempted_requests_are_recomputed_and_compressed_again(tiny):
     while (st := llm.collective_rpc("kvcompose_state")[0])["requests"] and time.time() - t0 < 10:
         time.sleep(0.1)
     assert st["requests"] == [] and st["free_slots"] == st["slots"] and st["scheduler_requests"] == 0, st
+
+
+def _pressure_batch(n: int = 64, new: int = 320):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(3, 512, (20 + 3 * i,), generator=g).tolist())
+               for i in range(n)]
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True,
+                        extra_args=request_kwargs("streaming_llm", 256, interval=32))
+    return prompts, sp
+
+
+def test_admission_by_bound_never_preempts_a_compressed_request(tiny, tmp_path):
+    """The same batch and pool as the test above, with the scheduler's default admission: a request enters
+    only when its bound (budget 256 + interval 32 + a block = 10 blocks) fits beside the running ones', so at
+    most 479 // 10 = 47 run at once and none is ever preempted; every request finishes."""
+    model, _, _ = tiny
+    llm, log = _engine(model, tmp_path, blocks=480, max_len=1024, kv_bytes=256 << 20)
+    try:
+        prompts, sp = _pressure_batch()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == sp.max_tokens for o in outs)
+        with open(log) as f:
+            lines = [json.loads(x) for x in f]
+        assert not [x for x in lines if "preempted" in x]
+        running = [x["running"] for x in lines if "request_id" in x]
+        assert running and 40 <= max(running) <= 479 // 10, max(running)
+        assert llm.collective_rpc("kvcompose_stats")[0]["preemptions"] == 0
+    finally:
+        del llm
 
 
 @pytest.fixture(scope="module")

@@ -83,6 +83,7 @@ def test_presets_by_name_and_request_overrides():
     (dict(pipeline="rkv"), r"needs a token budget"),
     (dict(pipeline="vase", budget=512, query_window=8), r"query_window"),
     (dict(pipeline="vase", budget=64), r"protect"),
+    (dict(pipeline="rkv", budget=512, reserve="yes"), r"reserve must be True or False, got 'yes'"),
 ])
 def test_refusals_name_the_problem(kw, match):
     with pytest.raises(KVComposeError, match=match):

@@ -70,7 +70,8 @@ def _settings_dict(pipeline: Pipeline | str | None, budget: int | None, interval
 
 def engine_config(pipeline: Pipeline | str = "full", budget: int | None = None, *, interval: int | None = None,
                   block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0, preset_args: dict[str, Any] | None = None,
-                  query_window: int | None = None, log_file: str | None = None) -> dict[str, Any]:
+                  query_window: int | None = None, log_file: str | None = None, reserve: bool = True
+                  ) -> dict[str, Any]:
     """The checked `additional_config["kvcompose"]` dict of an engine (JSON-serialisable; see `engine_kwargs`)."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise KVComposeError(f"block_size must be a positive int, got {block_size!r}")
@@ -81,6 +82,8 @@ def engine_config(pipeline: Pipeline | str = "full", budget: int | None = None, 
         cfg["query_window"] = query_window
     if log_file is not None:
         cfg["log_file"] = str(log_file)
+    if reserve is not True:
+        cfg["reserve"] = reserve
     engine = engine_limits(cfg, block_size)  # raises on anything the engine would refuse
     for note in engine.notes:  # settings that cannot act, as KVComposeCache warns
         warnings.warn(note, KVComposeWarning, stacklevel=3)
@@ -92,7 +95,8 @@ def engine_config(pipeline: Pipeline | str = "full", budget: int | None = None, 
 
 def engine_kwargs(pipeline: Pipeline | str = "full", budget: int | None = None, *, interval: int | None = None,
                   block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0, preset_args: dict[str, Any] | None = None,
-                  query_window: int | None = None, log_file: str | None = None) -> dict[str, Any]:
+                  query_window: int | None = None, log_file: str | None = None, reserve: bool = True
+                  ) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` (or `EngineArgs`) that run a kvcompose pipeline inside vLLM.
 
     Args:
@@ -108,6 +112,10 @@ def engine_kwargs(pipeline: Pipeline | str = "full", budget: int | None = None, 
         query_window: queries per layer and request kept for scorers with a window (default: the largest of 64
             and the pipeline's window); requests whose own pipeline reads more are refused.
         log_file: a JSONL the scheduler appends one line to per compression event and preemption.
+        reserve: admit a waiting request only when the most blocks it can come to hold (a compressed request:
+            `max(prompt, budget) + interval` tokens and one block) fit in the pool beside the running requests'
+            (docs/serving.md, "Admission"); False: vLLM's own admission (by the prompt's blocks, preempting
+            when the pool runs out).
 
     Returns:
         `scheduler_cls`, `worker_cls`, `additional_config`, `block_size`, `enable_prefix_caching=False`,
@@ -119,7 +127,7 @@ def engine_kwargs(pipeline: Pipeline | str = "full", budget: int | None = None, 
         one that draws no random numbers). Does not import vLLM.
     """
     cfg = engine_config(pipeline, budget, interval=interval, block_size=block_size, seed=seed,
-                        preset_args=preset_args, query_window=query_window, log_file=log_file)
+                        preset_args=preset_args, query_window=query_window, log_file=log_file, reserve=reserve)
     return {
         "scheduler_cls": SCHEDULER_CLS,
         "worker_cls": WORKER_CLS,
@@ -156,14 +164,14 @@ def request_kwargs(pipeline: Pipeline | str | None = None, budget: int | None = 
 
 def serve_args(pipeline: str = "full", budget: int | None = None, *, interval: int | None = None,
                block_size: int = DEFAULT_BLOCK_SIZE, seed: int = 0, preset_args: dict[str, Any] | None = None,
-               query_window: int | None = None, log_file: str | None = None) -> list[str]:
+               query_window: int | None = None, log_file: str | None = None, reserve: bool = True) -> list[str]:
     """The `vllm serve` command-line flags of a kvcompose engine (a preset by name: the JSON names it)."""
     import json
 
     if not isinstance(pipeline, str):
         raise KVComposeError("vllm serve takes a preset name and its arguments (JSON), not a Pipeline object")
     kw = engine_kwargs(pipeline, budget, interval=interval, block_size=block_size, seed=seed,
-                       preset_args=preset_args, query_window=query_window, log_file=log_file)
+                       preset_args=preset_args, query_window=query_window, log_file=log_file, reserve=reserve)
     return ["--scheduler-cls", kw["scheduler_cls"], "--worker-cls", kw["worker_cls"],
             "--logits-processors", ADMISSION_CLS,
             "--block-size", str(block_size), "--no-enable-prefix-caching", "--no-async-scheduling",

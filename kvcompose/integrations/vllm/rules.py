@@ -215,6 +215,7 @@ class Engine:
             read at most W).
         max_model_len: the engine's longest request (None when unknown: `engine_kwargs` has no model).
         notes: engine settings that have no effect (each "what has no effect: why"); the engine warns.
+        reserve: the scheduler admits by each request's bound (see `KVComposeScheduler`), else as vLLM does.
     """
 
     base: Settings
@@ -222,10 +223,11 @@ class Engine:
     query_window: int
     max_model_len: int | None = None
     notes: tuple[str, ...] = ()
+    reserve: bool = True
 
 
 _KEYS = ("pipeline", "preset", "args", "budget", "interval", "seed")
-_ENGINE_KEYS = ("query_window", "log_file", "block_size")
+_ENGINE_KEYS = ("query_window", "log_file", "block_size", "reserve")
 MAX_SETTINGS_TEXT = 1 << 16
 """Longest JSON text of a request's settings (characters): a preset, its arguments and four numbers."""
 
@@ -315,8 +317,11 @@ def engine_limits(cfg: dict[str, Any], block_size: int, max_model_len: int | Non
     log = cfg.get("log_file")
     if log is not None and not isinstance(log, str):
         raise KVComposeError(f"log_file must be a path (str), got {type(log).__name__}")
+    reserve = cfg.get("reserve", True)
+    if not isinstance(reserve, bool):
+        raise KVComposeError(f"reserve must be True or False, got {_show(reserve)}")
     return Engine(base=base, block_size=block_size, query_window=window, max_model_len=max_model_len,
-                  notes=tuple(notes))
+                  notes=tuple(notes), reserve=reserve)
 
 
 def request_settings(extra_args: Any, engine: Engine) -> Settings:

@@ -9,6 +9,16 @@ every block from the logical block of `num_computed_tokens` on, and returns the 
 serve other requests from the next step on; the worker's packing is done by then. Positions stay logical:
 the freed entries of the request's block list become vLLM's null block, as its sliding-window managers do.
 
+Admission by what a request can come to hold. vLLM admits a waiting request when its prompt's blocks are
+free, and preempts a running one (which starts over from its prompt) when a later step finds no block for
+it: under memory pressure a plain engine overcommits its pool and pays in recomputation. A compressed
+request's footprint is bounded: it never holds more than `max(prompt, budget) + interval` tokens plus the
+block its next token goes to. Before each `schedule()` the scheduler sums that bound over the running
+requests (a request that does not compress counts the blocks it will hold after this step, as vLLM counts
+it) and lets vLLM admit only the waiting requests, in queue order, whose bound still fits in the pool
+(`Scheduler.max_num_active_reqs`, set per step; never above the configured `max_num_seqs`, and at least one
+request when none runs): compressed requests are then never preempted for want of blocks.
+
 It also refuses, at start-up, every setting the route cannot honour (`check_engine`). A request whose own
 settings (`SamplingParams.extra_args["kvcompose"]`) the engine would not honour is refused alone: the front
 end's check (`admission.py`) normally stops it before it gets here; one that arrives anyway is added and at
@@ -22,7 +32,9 @@ What it relies on inside vLLM 0.32 that is not a stable API: `KVCacheManager.coo
 `SchedulerOutput.scheduled_cached_reqs` (`req_ids`, `num_computed_tokens`, `resumed_req_ids`),
 `Request.num_prompt_tokens` / `sampling_params` / `client_index`, `Scheduler.requests`, `finish_requests` with
 `RequestStatus.FINISHED_ERROR`, `update_from_output` returning `{client_index: EngineCoreOutputs}`, and
-`EngineCoreOutput(request_id, new_token_ids, finish_reason=FinishReason.ERROR, stop_reason=...)`.
+`EngineCoreOutput(request_id, new_token_ids, finish_reason=FinishReason.ERROR, stop_reason=...)`; for
+admission, `Scheduler.max_num_active_reqs` (read by `schedule()` when it admits waiting requests),
+`Scheduler.running` / `waiting`, `BlockPool.num_gpu_blocks`, `Request.num_tokens` / `max_tokens`.
 """
 
 from __future__ import annotations
@@ -132,6 +144,8 @@ class KVComposeScheduler(Scheduler):
         self.kvc_blocks_freed = 0
         self.kvc_peak_running = 0
         self.kvc_refused = 0
+        self._kvc_max_active = self.max_num_active_reqs  # the configured admission limit (max_num_seqs)
+        self.kvc_admission_held = 0  # steps at which the reservation kept a waiting request out
         for note in self._kvc_engine.notes:
             logger.warning("kvcompose: %s", note)
         procs = [p if isinstance(p, str) else f"{p.__module__}:{p.__qualname__}"
@@ -175,8 +189,43 @@ class KVComposeScheduler(Scheduler):
             self._kvc_write({"preempted": request.request_id, "num_computed_tokens": request.num_computed_tokens})
         return super()._preempt_request(request, *args, **kwargs)
 
+    def _kvc_bound(self, request) -> int:
+        """The most blocks `request` can hold from now on: for a compressed request, `max(prompt, budget) +
+        interval` tokens and the block of its next token, capped by its whole length (and at least what its
+        tokens so far need, e.g. a preempted request's recomputation); otherwise the blocks its tokens need
+        after this step."""
+        b = self._kvc_block
+        now = -(-(request.num_tokens + 1) // b)
+        st = self._kvc.get(request.request_id)
+        if st is None or not st.settings.compresses or st.settings.budget is None:
+            return now
+        s = st.settings
+        bound = -(-(max(st.prompt_len, s.budget) + s.interval) // b) + 1
+        if request.max_tokens is not None:
+            bound = min(bound, -(-(st.prompt_len + request.max_tokens) // b))
+        return max(now, bound)
+
+    def _kvc_admission(self) -> int:
+        """How many requests may run after this step's admissions: the running ones plus the waiting ones, in
+        queue order, whose bound fits in the pool beside the running ones' bounds."""
+        usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # vLLM's null block is never free
+        held = sum(self._kvc_bound(r) for r in self.running)
+        n = len(self.running) + getattr(self, "num_waiting_for_streaming_input", 0)
+        for r in list(self.waiting):
+            if n >= self._kvc_max_active:
+                break
+            bound = self._kvc_bound(r)
+            if held + bound > usable and n > 0:
+                self.kvc_admission_held += 1
+                break
+            held, n = held + bound, n + 1
+        return max(1, min(n, self._kvc_max_active))
+
     def schedule(self, *args, **kwargs):
-        """vLLM's scheduling step, then the blocks of this step's compression events go back to the pool."""
+        """vLLM's scheduling step (admitting only the waiting requests whose bound fits), then the blocks of this
+        step's compression events go back to the pool."""
+        if self._kvc_engine.reserve and self.waiting:
+            self.max_num_active_reqs = self._kvc_admission()
         out = super().schedule(*args, **kwargs)
         self._kvc_events(out)
         self.kvc_peak_running = max(self.kvc_peak_running, len(self.running))
