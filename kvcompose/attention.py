@@ -24,8 +24,9 @@ is patched, and the switch is **scoped**:
   implementation's mask function returns (`sdpa_mask`, `eager_mask`, `flash_attention_mask` (None or 2-D),
   `flex_attention_mask`, or None for an implementation with no mask function). It takes any keyword
   arguments, so it serves transformers 5.2 (`cache_position=`) and 5.23 (`q_length=`, `q_offset=`) alike.
-- **Hand-off ("the cache knows whether its attention ran").** A kvcompose layer's `update` calls
-  `hand_off(layer, keys, values)` and returns those same tensors; the model passes them straight to the
+- **Hand-off ("the cache knows whether its attention ran").** A kvcompose cache's `update` calls its layer's
+  `update`, then `hand_off(layer, keys, values)` with the tensors the layer returned (a cache of other layers
+  may call it from the layer instead), and returns those same tensors; the model passes them straight to the
   attention function, which recognises them by identity and calls
   `layer.attend(query, mask2d, scale, sliding_window, [softcap=..., sinks=...])`. If the attention function
   does not consume a hand-off (the model's implementation was changed after the cache was built, or the
@@ -60,14 +61,41 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from .attention_math import attend, attention_probs, build_mask  # re-exported: the math lives there
-from .compat import ASSISTED_MESSAGE, SUPPORTED_FEATURES, assisted_signal, in_assisted_generation, no_trace
+from .compat import ASSISTED_MESSAGE, SUPPORTED_FEATURES, assisted_signal, in_assisted_generation
 from .view import KVComposeError
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "register", "install", "release", "restore", "is_installed", "previous_implementation",
     "hand_off", "check_consumed", "check_open", "expect_mask", "hook_state", "HookState", "attend", "attention_probs",
-    "build_mask", "kvcompose_attention", "kvcompose_mask", "is_kvcompose_cache", "SUPPORTED_FEATURES",
+    "build_mask", "kvcompose_attention", "kvcompose_mask", "is_kvcompose_cache", "SUPPORTED_FEATURES", "no_trace",
 ]
+
+
+def no_trace(fn):
+    """Run `fn` eagerly under `torch.compile` (a graph break: dynamo never traces kvcompose's bookkeeping),
+    at the cost of one `is_compiling()` check in eager mode (`torch.compiler.disable`'s own wrapper costs tens
+    of microseconds per call, which a decode step pays once per layer). The decorator of every kvcompose
+    method transformers calls (the cache's, its layers' and this hook's); it lives here, beside the hook, so
+    a decoded token's walk through kvcompose's files adds no file for it."""
+    import functools
+
+    import torch
+
+    disabled = torch.compiler.disable(fn)
+    try:  # dynamo's frame hook: set while a compiled function runs, including the eager parts after a graph break
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+    except ImportError:  # pragma: no cover - older torch
+        def get_eval_frame_callback():
+            return True
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling() or get_eval_frame_callback() not in (None, False):
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
 
 ATTN_IMPLEMENTATION = "kvcompose"
 """The name of kvcompose's implementation in transformers' attention and mask interfaces."""
@@ -86,7 +114,7 @@ _READS_NO_CONFIG_NAME = frozenset({"sdpa", "flex_attention"})  # implementations
 
 
 # ------------------------------------------------------------------------------------------------------
-# hand-off between a layer's update and the attention function
+# hand-off between a cache's update and the attention function
 # ------------------------------------------------------------------------------------------------------
 @dataclass
 class _HandOff:
@@ -152,7 +180,7 @@ def _mark(owner: object, msg: str) -> None:
 
 
 def hand_off(layer, keys: Tensor, values: Tensor, owner=None) -> None:
-    """Called by a kvcompose layer's `update` with the keys/values it returns to the model (`[B, H, Q, D]`).
+    """Called by a kvcompose cache's `update` with the keys/values its layer returns to the model (`[B, H, Q, D]`).
 
     The attention function consumes the hand-off when the model passes those same tensors to it and calls
     `layer.attend(...)`. `owner` is one object shared by all layers of a cache (default `layer.cache`, else

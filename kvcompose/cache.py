@@ -36,7 +36,7 @@ __all__ = ["KVComposeCache", "MemoryReport", "CacheStats", "check_model", "check
 
 DEFAULT_INTERVAL = 64
 LIMIT = 2**31  # budgets and intervals beyond this are refused (no memory is reserved ahead, but indices are int32)
-_no_trace = compat.no_trace  # cache bookkeeping is never traced: under torch.compile it runs eagerly
+_no_trace = _attn.no_trace  # cache bookkeeping is never traced: under torch.compile it runs eagerly
 
 
 @dataclass
@@ -181,9 +181,15 @@ class CacheGlue:
 
     # -- transformers Cache API, never traced by torch.compile -----------------------------------
     @_no_trace
-    def update(self, *args, **kwargs):
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        """Append the new keys/values to layer `layer_idx` and hand that layer to kvcompose's attention, which
+        recognises the returned tensors. Raises `KVComposeError` when the previous update of this cache was
+        never seen by kvcompose's attention (the model's attention implementation was changed, or the cache
+        went to another model)."""
         self._check_usable()
-        return super().update(*args, **kwargs)
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        _attn.hand_off(self.layers[layer_idx], *out, owner=self)
+        return out
 
     @_no_trace
     def get_seq_length(self, *args, **kwargs) -> int:

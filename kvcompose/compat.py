@@ -29,7 +29,7 @@ from .view import KVComposeError
 __all__ = [
     "MIN_TRANSFORMERS", "MAX_TRANSFORMERS", "TESTED_TRANSFORMERS", "TESTED_MODEL_TYPES", "transformers_version",
     "check_transformers", "query_length", "forward_cache", "cache_argument", "output_cache",
-    "in_assisted_generation", "assisted_signal", "ASSISTED_MESSAGE", "no_trace", "LayerAttention", "ModelAttention", "check_model",
+    "in_assisted_generation", "assisted_signal", "ASSISTED_MESSAGE", "LayerAttention", "ModelAttention", "check_model",
 ]
 
 SUPPORTED_FEATURES = frozenset({"softcap", "sinks"})
@@ -90,33 +90,6 @@ def check_transformers(version: str | None = None) -> tuple[int, ...]:
     if v[:2] >= MAX_TRANSFORMERS:
         warnings.warn(f"kvcompose is tested with transformers>={lo},<{hi}; found {version}", stacklevel=2)
     return v
-
-
-# ------------------------------------------------------------------------------------------------------
-# torch.compile
-# ------------------------------------------------------------------------------------------------------
-def no_trace(fn):
-    """Run `fn` eagerly under `torch.compile` (a graph break: dynamo never traces kvcompose's bookkeeping),
-    at the cost of one `is_compiling()` check in eager mode (`torch.compiler.disable`'s own wrapper costs tens
-    of microseconds per call, which a decode step pays once per layer)."""
-    import functools
-
-    import torch
-
-    disabled = torch.compiler.disable(fn)
-    try:  # dynamo's frame hook: set while a compiled function runs, including the eager parts after a graph break
-        from torch._C._dynamo.eval_frame import get_eval_frame_callback
-    except ImportError:  # pragma: no cover - older torch
-        def get_eval_frame_callback():
-            return True
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if torch.compiler.is_compiling() or get_eval_frame_callback() not in (None, False):
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return wrapper
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -35,11 +35,10 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
-from . import attention as _hook
 from . import copying as _copying
 from . import crop as _crop
 from .allocators import layer_budget as _layer_budget
-from .compat import no_trace
+from .attention import no_trace
 from .events import rows_due, rows_over, run_event
 from .path import PathTokens, gather, has_tier_tokens, segment_part
 from .pipeline import Pipeline, Selection
@@ -92,6 +91,7 @@ class ComposeLayer(CacheLayerMixin):
         self._owner = weakref.ref(owner) if owner is not None else (lambda: config)
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None  # keeps its own window; never compressed beyond it
+        self._compresses = config.pipeline.compresses  # read on every step: kept here, not asked of the pipeline
         self.reset()
 
     # -- copying (the cache re-links a copy's layers: kvcompose.copying.link_layers) ------------------------
@@ -149,7 +149,7 @@ class ComposeLayer(CacheLayerMixin):
     def scheduled(self) -> bool:
         """Whether the write segment follows the compression schedule (sliding-window layers only keep
         their window)."""
-        return self.config.pipeline.compresses and self.sliding_window is None
+        return self._compresses and self.sliding_window is None
 
     def layer_budget(self, seen: int | None = None) -> int | None:
         """The token budget of this layer (the allocator may vary it by layer and by tokens seen)."""
@@ -215,7 +215,7 @@ class ComposeLayer(CacheLayerMixin):
     @property
     def held(self) -> int:
         """Slots held on the device along the path (the longest (row, head))."""
-        return sum(seg.held() for seg in self.path())
+        return sum(seg.store.held for seg in self.path() if seg.store is not None)
 
     @property
     def lengths(self) -> Int[Tensor, "B H"] | None:
@@ -236,13 +236,11 @@ class ComposeLayer(CacheLayerMixin):
     # -- writing --------------------------------------------------------------------------------------
     @_no_trace
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Append new tokens (keys after RoPE) to the write segment and hand this layer to the attention
-        function. Returns the new keys and values (kvcompose's attention recognises them and reads the layer).
-        Raises `KVComposeError` when the previous update of this cache was never seen by kvcompose's
-        attention (the model's attention implementation was changed, or the cache went to another model)."""
+        """Append new tokens (keys after RoPE) to the write segment. Returns the new keys and values, which
+        the cache's `update` hands to the attention function with this layer (`kvcompose.attention.hand_off`:
+        kvcompose's attention recognises them and reads the layer)."""
         if self.is_initialized:
             check_incoming(self, key_states)
-        _hook.hand_off(self, key_states, value_states, owner=self._owner())
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]

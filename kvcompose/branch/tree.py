@@ -11,7 +11,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from ..compat import no_trace
+from ..attention import no_trace
 from ..layer import ComposeLayer, CoreConfig, Segment, check_incoming
 from ..view import KVComposeError
 
@@ -167,7 +167,8 @@ class BranchLayer(ComposeLayer):
 
     @no_trace
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Append the new tokens to the active branch's node and hand this layer to the attention function."""
+        """Append the new tokens to the active branch's node (the cache's `update` then hands this layer to
+        the attention function)."""
         tree = self.tree
         if self.is_initialized:
             check_incoming(self, key_states, " (all rows share one tree: generate's beams and "
