@@ -41,10 +41,9 @@ def test_wrong_shape_through_the_public_api_gets_the_checkers_error():
     assert cache.layers[0].seen == 0  # nothing counted as seen
 
 
-@pytest.mark.xfail(strict=True, reason="ComposeLayer.update hands the layer to the attention hook and sets "
-                   "prompt_length before the store refuses the tokens, so the next forward raises 'attention did "
-                   "not run'; remove this mark when update validates before it changes state")
 def test_a_refused_update_leaves_the_cache_usable():
+    """The cache hands the layer to the attention hook only after the layer took the tokens (issue 32's walk),
+    so a refused update leaves no hand-off behind and the next forward runs (it was a strict xfail before)."""
     model = tiny_model("llama", layers=1)
     cache = KVComposeCache(model, methods.streaming_llm(), budget=8, interval=4)
     with pytest.raises(CHECKER):

@@ -114,7 +114,7 @@ def engine_kwargs(pipeline: Pipeline | str = "full", budget: int | None = None, 
         log_file: a JSONL the scheduler appends one line to per compression event and preemption.
         reserve: admit a waiting request only when the most blocks it can come to hold (a compressed request:
             `max(prompt, budget) + interval` tokens and one block) fit in the pool beside the running requests'
-            (docs/serving.md, "Admission"); False: vLLM's own admission (by the prompt's blocks, preempting
+            (docs/serving.md, "Admission by bound"); False: vLLM's own admission (by the prompt's blocks, preempting
             when the pool runs out).
 
     Returns:
