@@ -83,11 +83,21 @@ def test_presets_by_name_and_request_overrides():
     (dict(pipeline="rkv"), r"needs a token budget"),
     (dict(pipeline="vase", budget=512, query_window=8), r"query_window"),
     (dict(pipeline="vase", budget=64), r"protect"),
-    (dict(pipeline="rkv", budget=512, reserve="yes"), r"reserve must be True or False, got 'yes'"),
 ])
 def test_refusals_name_the_problem(kw, match):
     with pytest.raises(KVComposeError, match=match):
         engine_kwargs(**kw)
+
+
+def test_reserve_is_a_bool():
+    """`reserve` (admission by bound) as `vllm serve --additional-config` JSON may carry it: a bool or refused."""
+    cfg = engine_kwargs("rkv", 512)["additional_config"][CONFIG_KEY]
+    assert engine_limits(cfg, 32).reserve is True
+    assert engine_limits({**cfg, "reserve": False}, 32).reserve is False
+    assert engine_kwargs("rkv", 512, reserve=False)["additional_config"][CONFIG_KEY]["reserve"] is False
+    for bad in ("yes", 1, None):
+        with pytest.raises(KVComposeError, match="reserve must be True or False"):
+            engine_limits({**cfg, "reserve": bad}, 32)
 
 
 def test_request_settings_are_checked():
