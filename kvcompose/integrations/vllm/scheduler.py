@@ -145,7 +145,6 @@ class KVComposeScheduler(Scheduler):
         self.kvc_peak_running = 0
         self.kvc_refused = 0
         self._kvc_max_active = self.max_num_active_reqs  # the configured admission limit (max_num_seqs)
-        self.kvc_admission_held = 0  # steps at which the reservation kept a waiting request out
         for note in self._kvc_engine.notes:
             logger.warning("kvcompose: %s", note)
         procs = [p if isinstance(p, str) else f"{p.__module__}:{p.__qualname__}"
@@ -216,7 +215,6 @@ class KVComposeScheduler(Scheduler):
                 break
             bound = self._kvc_bound(r)
             if held + bound > usable and n > 0:
-                self.kvc_admission_held += 1
                 break
             held, n = held + bound, n + 1
         return max(1, min(n, self._kvc_max_active))
