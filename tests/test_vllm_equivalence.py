@@ -28,7 +28,10 @@ from vllm_support import COMPOSED, compare, gsm8k_prompts, load_hf, pipeline_of,
 from kvcompose.integrations.vllm import engine_kwargs, request_kwargs  # noqa: E402
 
 PRESETS = ["streaming_llm", "random_attention", "rkv", "vase", "snapkv", "tova", "knorm"]
-TINY = PRESETS + ["merging(snapkv)"]  # a Merger: the packed values are the merged ones (sent as a Pipeline)
+TINY = PRESETS + ["merging(snapkv)", "pyramid_rkv", "wave(rkv)"]  # a Merger: the packed values are the merged
+#   ones (sent as a Pipeline); per-layer budgets: each layer keeps its own count inside the blocks of the largest
+PER_LAYER = {"pyramid_rkv": 192, "wave(rkv)": 160}  # the blocks' bound at budget 96 on the tiny Llama (layers
+#   180, 96, 12; ReasonAlloc's layer profile: 60, 132, 96, capped at the tokens seen)
 BLOCK = 32
 MARGIN = 1e-3  # nats: a flip of the argmax below this is a near-tie of two float32 engines
 ATOL = 2e-3  # nats: vLLM's logprob of its token against the reference's
@@ -90,7 +93,12 @@ def _check(model_dir, llm, log, prompts, budget, interval, new_tokens, presets=P
         assert len(toks) == new_tokens
         ref = reference(hf, prompts[i], toks, preset, budget, interval, seed)
         assert ref.events, f"{preset} prompt {i}: the reference never compressed (the test would prove nothing)"
-        assert events.get(rid) == ref.events, (preset, i, events.get(rid), ref.events)
+        if preset in PER_LAYER:  # the scheduler frees by the largest layer's bound, at some of the layers' events
+            cuts = events.get(rid, [])
+            assert set(cuts) <= set(ref.events), (preset, i, cuts, ref.events)
+            assert cuts or len(prompts[i]) + new_tokens <= PER_LAYER[preset] + interval, (preset, i, ref.events)
+        else:
+            assert events.get(rid) == ref.events, (preset, i, events.get(rid), ref.events)
         try:
             st = compare(ref, len(prompts[i]), toks, lps, MARGIN, ATOL, TIE)
         except AssertionError as e:

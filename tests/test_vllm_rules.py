@@ -14,7 +14,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from helpers import examples, rand_ids, tree_model
-from kvcompose import BlockGranular, HostTier, KVComposeCache, Pipeline, RandomDrop, Scorer, TopK, methods
+from kvcompose import BlockGranular, HostTier, KeyNorm, KVComposeCache, Pipeline, RandomDrop, Scorer, TopK, methods
+from kvcompose.allocators import SeenShare
+from kvcompose.methods.reco import RewardAllocator
 from kvcompose.integrations.vllm import (CONFIG_KEY, decode_pipeline, engine_kwargs, event_due, request_kwargs,
                                          serve_args)
 from kvcompose.integrations.vllm.rules import (Settings, blocks_to_free, engine_limits, engine_settings, kept_row,
@@ -69,6 +71,15 @@ def test_presets_by_name_and_request_overrides():
     assert "--additional-config" in flags and '"preset": "rkv"' in flags[flags.index("--additional-config") + 1]
 
 
+class _Rewards:
+    """A reward source for ReCo's `RewardAllocator` (what the decoding loop would feed)."""
+
+    current_rewards = [0.5]
+
+    def reward_of(self, row: int) -> float:
+        return 0.5
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(pipeline="rkv", budget=500), r"budget=500 is not a whole number of vLLM blocks of 32 tokens.*480 or 512"),
     (dict(pipeline="rkv", budget=512, interval=100), r"interval=100 .*96 or 128"),
@@ -76,8 +87,12 @@ def test_presets_by_name_and_request_overrides():
     (dict(pipeline="h2o", budget=512), r"observes every attention step"),
     (dict(pipeline=methods.with_tier(methods.vase(), HostTier()), budget=512), r"keeps evicted tokens in a tier"),
     (dict(pipeline="growpage", budget=512), r"own budgets"),
-    (dict(pipeline="pyramid_rkv", budget=512), r"each layer its own budget"),
+    (dict(pipeline=methods.adakv(), budget=512), r"every KV head of a layer keeps the same number of tokens"),
+    (dict(pipeline=methods.reason_alloc(profile=None), budget=512), r"own budgets"),
     (dict(pipeline=Pipeline(BlockGranular(RandomDrop(), 32)), budget=512), r"different counts per head"),
+    (dict(pipeline=Pipeline(KeyNorm(), TopK(), RewardAllocator(_Rewards())), budget=512),
+     r"budgets that depend on what it observes while decoding"),  # ReCo's: rewards of the decoded text
+    (dict(pipeline=methods.with_allocator(methods.rkv(), SeenShare(0.5)), budget=512), r"without one"),
     (dict(pipeline="nope", budget=512), r"unknown kvcompose preset"),
     (dict(pipeline="rkv", budget=512, preset_args={"nope": 1}), r"does not take"),
     (dict(pipeline="rkv"), r"needs a token budget"),
@@ -87,6 +102,47 @@ def test_presets_by_name_and_request_overrides():
 def test_refusals_name_the_problem(kw, match):
     with pytest.raises(KVComposeError, match=match):
         engine_kwargs(**kw)
+
+
+def test_per_layer_budgets_are_held_in_the_blocks_of_the_largest():
+    """A per-layer schedule runs: each layer's budget is `KVComposeCache`'s, and the blocks a request keeps are
+    the largest layer's budget rounded up to whole blocks (what the scheduler frees by)."""
+    from kvcompose.allocators.base import layer_budget
+
+    engine = engine_limits(engine_kwargs("full")["additional_config"][CONFIG_KEY], BS)
+    s = request_settings(request_kwargs("pyramid_rkv", 256), engine)
+    assert s.per_layer
+    per = s.layer_budgets(30, 4096)
+    assert per == [layer_budget(s.pipeline.allocator, i, 30, 256, 4096) for i in range(30)]
+    assert sum(per) == 30 * 256 and max(per) > 256 > min(per)
+    bound = s.held_bound(30, BS)
+    assert bound % BS == 0 and bound - BS < max(per) <= bound
+    uni = request_settings(request_kwargs("rkv", 256), engine)
+    assert not uni.per_layer and uni.held_bound(30, BS) == 256 and uni.layer_budgets(3, 9) == [256] * 3
+
+
+def test_per_layer_profiles_are_checked_against_the_served_model():
+    """A ReasonAlloc layer profile calibrated on another architecture is refused (for that request: the scheduler
+    and worker call `check_layers` in their `add`); one for this model gives `KVComposeCache`'s budgets, and a
+    budget whose smallest layer cannot hold the protected window is refused as the cache refuses it."""
+    from transformers import LlamaConfig
+
+    from kvcompose.allocators import ReasoningWave
+
+    engine = engine_limits(engine_kwargs("full")["additional_config"][CONFIG_KEY], BS)
+    cfg = LlamaConfig(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    profile = {"kind": "kvcompose.reasoning_wave", "demand": [1.0, 3.0, 2.0],
+               "fingerprint": {"num_hidden_layers": 3, "model_type": "llama"}}
+    ok = request_settings(request_kwargs(methods.with_allocator(methods.rkv(), ReasoningWave(profile)), 96), engine)
+    ok.check_layers(cfg, 3, 2)
+    assert ok.per_layer and ok.layer_budgets(3, 4096) == [60, 132, 96] and ok.held_bound(3, BS) == 160
+    other = {**profile, "fingerprint": {"num_hidden_layers": 3, "model_type": "qwen2"}}
+    bad = request_settings(request_kwargs(methods.with_allocator(methods.rkv(), ReasoningWave(other)), 96), engine)
+    with pytest.raises(KVComposeError, match="calibrated on another model"):
+        bad.check_layers(cfg, 3, 2)
+    tight = request_settings(request_kwargs(methods.pyramid_rkv(methods.rkv(window=32), window=2), 64), engine)
+    with pytest.raises(KVComposeError, match="protectors"):  # Pyramid's last layer is smaller than the window
+        tight.check_layers(cfg, 3, 2)
 
 
 def test_reserve_is_a_bool():

@@ -19,7 +19,8 @@ pytest.importorskip("vllm")
 
 from vllm_support import COMPOSED, pipeline_of, tiny_llama  # noqa: E402
 
-PRESETS = ["streaming_llm", "random_attention", "rkv", "vase", "snapkv", "tova", "knorm", "merging(snapkv)"]
+PRESETS = ["streaming_llm", "random_attention", "rkv", "vase", "snapkv", "tova", "knorm", "merging(snapkv)",
+           "pyramid_rkv", "wave(rkv)"]  # the last two: per-layer budgets
 BUDGET, INTERVAL, NEW = 96, 32, 96
 
 _SCRIPT = textwrap.dedent('''

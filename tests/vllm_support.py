@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompose import KVComposeCache, Pipeline, Scorer, TopK, methods
+from kvcompose.allocators import ReasoningWave
 
 
 def tiny_llama(path: str, seed: int = 0) -> str:
@@ -38,7 +39,8 @@ class Reference:
 
     Attributes:
         logprobs: `[N, V]` log-softmax of the next-token logits before each of the N given tokens.
-        events: the tokens seen by layer 0 after each of its compression events.
+        events: the tokens seen after each forward in which some layer compressed (with per-layer budgets the
+            layers compress at different counts; with a uniform budget every layer at once).
         gaps: per event, the smallest relative score gap, over layers and heads, between the last token a
             top-k selection kept and the best one it evicted (None for other selectors): near 0, the two
             engines' float roundings may keep different tokens (a near-tie of the selection).
@@ -72,7 +74,10 @@ class _Recording(Pipeline):
         return sel, out
 
 
-COMPOSED = {"merging(snapkv)": lambda: methods.merging(methods.snapkv())}
+WAVE = {"kind": "kvcompose.reasoning_wave", "demand": [1.0, 3.0, 2.0], "fingerprint": {"num_hidden_layers": 3}}
+"""A ReasonAlloc layer profile for the tiny Llama's 3 layers (budgets 60, 132, 96 at a mean of 96)."""
+COMPOSED = {"merging(snapkv)": lambda: methods.merging(methods.snapkv()),
+            "wave(rkv)": lambda: methods.with_allocator(methods.rkv(), ReasoningWave(WAVE))}
 """Pipelines the vLLM tests serve by name that are not presets (a request sends the Pipeline object)."""
 
 
@@ -92,14 +97,15 @@ def reference(model, prompt: list[int], tokens: list[int], preset: str, budget: 
     pipe.gaps = []
     cache = KVComposeCache(model, pipe, budget=budget if pipe.compresses else None, interval=interval, seed=seed)
     out = []
-    events, gaps = [], []
+    events, gaps, done = [], [], 0
     ids = torch.tensor([prompt])
     for i in range(len(tokens)):
         logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].float()
         out.append(torch.log_softmax(logits, -1))
-        layer = cache.layers[0]
-        if len(events) < layer.events:
-            events.append(layer.seen)
+        n_events = sum(layer.events for layer in cache.layers)
+        if n_events > done:  # some layer compressed in this forward (all of them, with a uniform budget)
+            done = n_events
+            events.append(cache.layers[0].seen)
             g = [x for x in pipe.gaps if x is not None]
             gaps.append(min(g) if g else None)
         pipe.gaps = []
@@ -175,7 +181,7 @@ REQUEST_CASES = [  # (engine, what, the request's extra_args["kvcompose"])
     ("rkv", "an unknown preset", {"preset": "nope", "budget": 128}),
     ("rkv", "a preset that is not a name", {"preset": 3}),
     ("rkv", "a preset vLLM cannot run (observers)", {"preset": "h2o", "budget": 128}),
-    ("rkv", "a preset vLLM cannot run (per-layer budgets)", {"preset": "pyramid_rkv", "budget": 128}),
+    ("rkv", "a preset vLLM cannot run (per-head budgets)", {"preset": "reason_alloc", "budget": 128}),
     ("rkv", "preset arguments that are not a dict", {"preset": "rkv", "args": [1, 2], "budget": 128}),
     ("rkv", "an argument the preset does not take", {"preset": "rkv", "args": {"nope": 1}, "budget": 128}),
     ("rkv", "arguments without a preset", {"args": {"window": 8}}),

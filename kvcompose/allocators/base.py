@@ -93,6 +93,9 @@ class Allocator(Block):
         page_size: tokens per page of the paged storage (only read when `uniform` is False).
         constant: True when `allocate` gives every row and head exactly the `budget` it is called with, so
             the host knows the budgets without reading the device (`host_budgets`).
+        static_schedule: True when `layer_budget` is a pure function of its arguments (no state, nothing
+            observed while decoding: `Pyramid`, `ReasoningWave`), so an engine that cannot see the data (vLLM's
+            scheduler) can compute every layer's budget itself.
 
     Optional: the `LayerSchedule` capability (`layer_budget(layer_idx, num_layers, budget, seen) -> int`);
     `initial_limits(budget, batch, heads, device) -> Long[B, H]`: per-head limits before the first event of a
@@ -103,6 +106,7 @@ class Allocator(Block):
     needs_budget: bool = True
     page_size: int = 16
     constant: bool = False
+    static_schedule: bool = False
 
     def __call__(self, view: LayerView, budget: int, state: Any = None) -> tuple[Int[Tensor, "B H"], Any]:
         if self.takes_state:

@@ -38,6 +38,7 @@ class SeenShare(Allocator):
     """
 
     needs_budget = False
+    static_schedule = True
     padded_rows = ("SeenShare's HBM share is of the layer's tokens seen, left padding included, one budget for "
                    "every row of the layer")
 
@@ -81,6 +82,7 @@ class _PerLayer(Allocator):
     """A per-layer schedule: every head of layer l gets `layer_budget(l)`; dense storage per layer."""
 
     constant = True
+    static_schedule = True  # budgets from (layer, layers, budget, seen) and the profile alone
 
     def __init__(self) -> None:
         self._memo: dict[tuple[int, int], list[int]] = {}

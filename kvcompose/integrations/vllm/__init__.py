@@ -9,7 +9,8 @@
     llm.generate(prompts, SamplingParams(max_tokens=4096,                      # or a request's own
                  extra_args=request_kwargs(methods.snapkv(), budget=256)))
 
-Every layer and KV head of a request keeps its own `budget` tokens, selected by the pipeline's own
+Every layer and KV head of a request keeps its own `budget` tokens (with a per-layer schedule, `Pyramid` or
+`ReasoningWave`, each layer its own budget inside the blocks of the largest), selected by the pipeline's own
 `Pipeline.select` over a `LayerView` of the request's paged keys and values, packed into its leading blocks
 before the step's forward; vLLM's scheduler gives the blocks behind them back to the pool. vLLM's public
 extension points carry it: `scheduler_cls` (`scheduler.KVComposeScheduler`), `worker_cls`

@@ -12,7 +12,10 @@ Two counts per request (docs/serving.md, "Design"): vLLM's logical `num_computed
 positions RoPE uses) and the physical `held` (tokens in the request's blocks, the kept ones packed first).
 The rule is `KVComposeCache`'s schedule: an event is due when the decoded count crosses a multiple of
 `interval` and the request holds more than `budget` tokens; it cuts every layer and KV head to exactly
-`budget`.
+`budget`. With per-layer budgets (an allocator with a `LayerSchedule`: PyramidKV, ReasonAlloc's layer
+profile) each layer keeps its own count inside the blocks of the largest (`Settings.held_bound`): the
+scheduler frees by that bound with the same rule, and the worker compresses each layer at the same boundaries
+when it holds more than its own budget, as `KVComposeCache` does.
 """
 
 from __future__ import annotations
@@ -138,24 +141,30 @@ def check_pipeline(pipeline: Pipeline) -> None:
     alloc = pipeline.allocator
     if isinstance(alloc, EventTrigger) or not alloc.uniform:
         raise KVComposeError(
-            f"{name} gives heads or requests their own budgets ({alloc!r}); in vLLM every layer and KV head of a "
-            "request keeps the same number of tokens (one block table), so use a uniform allocator "
-            "(docs/serving.md, 'Per-layer and per-head budgets')"
+            f"{name} gives heads or requests their own budgets ({alloc!r}); vLLM's attention kernels read one "
+            "length per request and layer for every KV head, so in vLLM every KV head of a layer keeps the same "
+            "number of tokens: use a uniform or per-layer allocator (docs/serving.md, 'Per-layer and per-head "
+            "budgets')"
         )
-    if isinstance(alloc, LayerSchedule):
+    if isinstance(alloc, LayerSchedule) and not getattr(alloc, "static_schedule", False):
         raise KVComposeError(
-            f"{name} gives each layer its own budget ({alloc!r}); vLLM's attention reads one length per request "
-            "for every layer, so the block table would hold the largest layer's budget (pyramid_rkv at a mean of "
-            "256: 2.00x a uniform budget's blocks) and save less than a uniform budget at that size: refused "
-            "(docs/serving.md, 'Per-layer and per-head budgets')"
+            f"{name} gives layers budgets that depend on what it observes while decoding ({alloc!r}); vLLM's "
+            "scheduler frees blocks by rules it computes itself, so per-layer budgets must be a static schedule "
+            "(Pyramid, ReasoningWave)"
         )
     if not alloc.needs_budget:
         raise KVComposeError(f"{name} derives budgets without one ({alloc!r}); the vLLM route needs a fixed budget")
     if pipeline.selector is not None and pipeline.selector.ragged:
         raise KVComposeError(
-            f"{name} keeps different counts per head ({pipeline.selector!r}); the vLLM route packs exactly the "
-            "budget per head, token by token, so whole blocks buy nothing there: use the token-level selector"
+            f"{name} keeps different counts per head ({pipeline.selector!r}); vLLM's attention kernels read one "
+            "length per request and layer for every KV head, so in vLLM every KV head of a layer keeps the same "
+            "number of tokens (docs/serving.md, 'Per-layer and per-head budgets')"
         )
+
+
+def _held_bound(alloc: Any, num_layers: int, budget: int, block_size: int) -> int:
+    top = max(int(b) for b in alloc.layer_budgets(num_layers, budget))
+    return -(-top // block_size) * block_size
 
 
 def check_blocks(budget: Any, interval: Any, block_size: int, max_model_len: int | None = None) -> None:
@@ -202,6 +211,38 @@ class Settings:
     @property
     def query_window(self) -> int:
         return self.pipeline.query_window if self.compresses else 0
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether the layers keep their own budgets (the allocator is a `LayerSchedule`)."""
+        return self.compresses and isinstance(self.pipeline.allocator, LayerSchedule)
+
+    def layer_budgets(self, num_layers: int, seen: int) -> list[int]:
+        """Every layer's budget after `seen` tokens, as `KVComposeCache` computes it at an event."""
+        if not self.per_layer:
+            return [self.budget] * num_layers
+        alloc = self.pipeline.allocator
+        return [int(alloc.layer_budget(i, num_layers, self.budget, seen)) for i in range(num_layers)]
+
+    def check_layers(self, hf_config: Any, num_layers: int, num_kv_heads: int) -> None:
+        """Per-layer budgets: bind the allocator to the served model (a profile calibrated on another
+        architecture is refused, `profile="auto"` takes the shipped profile of this architecture; vLLM's side
+        has no weights to compare, so two models of one shape are not told apart here) and check that every
+        layer's budget holds what the protectors keep (`KVComposeCache`'s checks). Nothing without them."""
+        if not self.per_layer:
+            return
+        alloc = self.pipeline.allocator
+        if hf_config is not None and hasattr(alloc, "bind_model"):
+            alloc.bind_model(hf_config)
+        alloc.check(self.pipeline, self.budget, num_layers, num_kv_heads)
+
+    def held_bound(self, num_layers: int, block_size: int) -> int:
+        """The tokens a request keeps in its blocks after an event (whole blocks): the budget, or with
+        per-layer budgets the largest layer's static budget rounded up to whole blocks (a layer's budget never
+        exceeds its static one: ReasonAlloc's cap only lowers budgets while fewer tokens were seen)."""
+        if not self.per_layer:
+            return self.budget
+        return _held_bound(self.pipeline.allocator, num_layers, self.budget, block_size)
 
 
 @dataclass(frozen=True)

@@ -238,6 +238,11 @@ class RequestState:
     states: list[Any] | None = None  # per layer: the pipeline's state tuple
     failed: bool = False  # its kvcompose work failed: no further event (the scheduler finishes it)
     key: tuple[bytes, bool] | None = None  # its pipeline's pickle and whether it runs alone (`Runtime._group_key`)
+    # per-layer budgets (`Settings.per_layer`), from its first event on (None before: every layer holds `held`):
+    lheld: np.ndarray | None = None  # [L] tokens each layer holds (physical); `held` is the scheduler's bound
+    lpos: list[Tensor | None] | None = None  # per layer [Hg, k] logical positions kept at its last event
+    lc_event: np.ndarray | None = None  # [L] logical count at each layer's last event
+    levents: np.ndarray | None = None  # [L] events of each layer
 
     @property
     def offset(self) -> int:
@@ -261,6 +266,13 @@ class StepPlan:
     max_seq_len: int = 0
     ring_src: Tensor | None = None  # [M] token indices whose queries are recorded
     ring_dst: Tensor | None = None  # [M] flat ring index (slot * W + i)
+    # per-layer counts (a request of the batch keeps per-layer budgets): the layers fall into classes of equal
+    # counts in every row; `seq_lens`, `tok_phys` above are the class of layer 0's
+    layer_class: np.ndarray | None = None  # [L] class of each layer
+    class_phys: list[Tensor] | None = None  # per class [N] physical positions
+    class_seq_lens: list[tuple[Tensor, Tensor, int]] | None = None  # per class (seq_lens, on the host, max)
+    class_slots: list[Tensor] | None = None  # per class: the slot mapping (the builder fills it)
+    class_meta: list[Any] | None = None  # per class: the attention metadata (the builder fills it)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -306,6 +318,8 @@ class Runtime:
         self.stats = Stats()
         self.failed: dict[str, str] = {}  # request id -> why, reported with the step's output, then cleared
         self.scheduler_tracked: int | None = None  # the scheduler's count of requests it keeps state for
+        self.per_layer_refused: str | None = None  # why per-layer budgets cannot run in this engine (None: they can)
+        self.hf_config: Any = None  # the served model's config (per-layer profiles are checked against it)
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, req_id: str, settings: Settings, prompt_len: int) -> RequestState:
@@ -314,6 +328,10 @@ class Runtime:
                                  f"engine's ring holds {self.W} (raise query_window in engine_kwargs)")
         if settings.query_window > 0:
             self._ensure_ring()  # here, so that a ring that cannot be allocated fails this request alone
+        if settings.per_layer and self.per_layer_refused:
+            raise KVComposeError(f"request {req_id}: {settings.pipeline!r} gives each layer its own budget, and "
+                                 f"{self.per_layer_refused}")
+        settings.check_layers(self.hf_config, self.L, self.Hg)  # per-layer budgets: as KVComposeCache's first forward
         st = RequestState(settings=settings, prompt_len=prompt_len)
         self.requests[req_id] = st
         return st
@@ -344,7 +362,7 @@ class Runtime:
             return
         self._free_slot(st)
         st.last = st.held = st.c_event = 0
-        st.kept_pos = None
+        st.kept_pos = st.lheld = st.lpos = st.lc_event = st.levents = None
         self.stats.preemptions += int(preempted)
 
     def advance(self, req_id: str, n_computed: int) -> RequestState | None:
@@ -356,11 +374,39 @@ class Runtime:
         if n_computed < st.last:  # recomputed after a preemption vLLM did not announce to us
             self.restart(req_id, preempted=True)
         st.held += n_computed - st.last
+        if st.lheld is not None:
+            st.lheld += n_computed - st.last
         return st
 
     def due(self, st: RequestState, n_computed: int) -> bool:
+        """Whether the request runs an event before this step's forward: `rules.event_due`; with per-layer
+        budgets, at the same boundaries, when some layer holds more than its own budget (`KVComposeCache`'s
+        rule, per layer) or the scheduler cuts its blocks (`cut`)."""
         s = st.settings
-        return not st.failed and s.compresses and event_due(st.prompt_len, st.last, n_computed, s.interval, st.held, s.budget)
+        if st.failed or not s.compresses:
+            return False
+        if not s.per_layer:
+            return event_due(st.prompt_len, st.last, n_computed, s.interval, st.held, s.budget)
+        if not event_due(st.prompt_len, st.last, n_computed, s.interval, 1, 0):  # not at a boundary
+            return False
+        lheld = np.full(self.L, st.held) if st.lheld is None else st.lheld
+        return bool((lheld > np.asarray(s.layer_budgets(self.L, n_computed))).any()) or self.cut_due(st, n_computed)
+
+    def cut_due(self, st: RequestState, n_computed: int) -> bool:
+        """Whether the scheduler frees the request's blocks behind its kept tokens at this step (its rule, on
+        its counts: `held` and `Settings.held_bound`)."""
+        s = st.settings
+        return s.compresses and event_due(st.prompt_len, st.last, n_computed, s.interval, st.held,
+                                          s.held_bound(self.L, self.block_size))
+
+    def cut(self, st: RequestState, n_computed: int, row: list[int]) -> list[int]:
+        """The request's block-table row after this step's cut (the scheduler's), `held` set to the bound; the
+        row unchanged when nothing is cut."""
+        if not self.cut_due(st, n_computed):
+            return list(row)
+        bound = st.settings.held_bound(self.L, self.block_size)
+        st.held = bound
+        return kept_row(row, n_computed, bound, self.block_size)
 
     # -- the ring ---------------------------------------------------------------------------------
     def _ensure_ring(self) -> None:
@@ -438,7 +484,7 @@ class Runtime:
         s = st.settings
         if st.key is None:
             spec = LayerSpec(0, self.L, 1, self.Hg, self.D, self.D, self.device, self.dtype)
-            alone = s.pipeline.draws_random or any(x is not None for x in s.pipeline.init(spec))
+            alone = s.per_layer or s.pipeline.draws_random or any(x is not None for x in s.pipeline.init(spec))
             st.key = (pickle.dumps(s.pipeline), alone)
         w = min(st.ring_n, s.query_window) if st.slot is not None else 0
         return (st.key[0], s.budget, n_computed - st.prompt_len, st.events, w, id(st) if st.key[1] else None)
@@ -475,10 +521,26 @@ class Runtime:
         self.stats.event_seconds += time.perf_counter() - t0
         return out
 
+    def _init_request(self, st: RequestState) -> None:
+        """A request's per-layer generators and pipeline states, at its first event."""
+        if st.gens is not None:
+            return
+        dev, L = self.device, self.L
+        st.gens = []
+        for i in range(L):
+            g = torch.Generator(device=dev)
+            g.manual_seed(layer_seed(st.settings.seed, i))
+            st.gens.append(g)
+        st.states = [st.settings.pipeline.init(LayerSpec(i, L, 1, self.Hg, self.D, self.D, dev, self.dtype))
+                     for i in range(L)]
+        self.stats.compressed_requests += 1
+
     def _compress_group(self, group: list, kv_caches: list[Tensor]) -> dict[str, list[int]]:
         dev, bs, D, H, L, Hg = self.device, self.block_size, self.D, self.H, self.L, self.Hg
         s0: Settings = group[0][1].settings
         pipe: Pipeline = s0.pipeline
+        if s0.per_layer:
+            return self._compress_layers(group[0], kv_caches)
         B, w = s0.budget, s0.query_window
         n = len(group)
         new_rows, blks = [], []
@@ -509,14 +571,7 @@ class Runtime:
         padded = bool((shift != 0).any())
         sts = [it[1] for it in group]
         for st in sts:
-            if st.gens is None:
-                st.gens = []
-                for i in range(L):
-                    g = torch.Generator(device=dev)
-                    g.manual_seed(layer_seed(st.settings.seed, i))
-                    st.gens.append(g)
-                st.states = [pipe.init(LayerSpec(i, L, 1, Hg, D, D, dev, self.dtype)) for i in range(L)]
-                self.stats.compressed_requests += 1
+            self._init_request(st)
         kept_pos = torch.empty(n, L, Hg, B, dtype=torch.long, device=dev)
         far = torch.tensor(FAR_POSITION, dtype=torch.long, device=dev)
         ring_idx = None
@@ -534,6 +589,81 @@ class Runtime:
             self.stats.events += 1
             out[rid] = new_rows[r]
         return out
+
+    def _compress_layers(self, item: tuple, kv_caches: list[Tensor]) -> dict[str, list[int]]:
+        """One request's event with per-layer budgets (`Settings.per_layer`): each layer that holds more than
+        its own budget keeps that budget, packed into its leading slots (its kept count need not be whole
+        blocks: slot by slot); the others are untouched. Then the scheduler's cut (`cut`): blocks are freed by
+        the largest layer's bound, which every layer fits in. An exception carries `kvc_written`."""
+        rid, st, c, row = item
+        dev, bs, D, L, Hg = self.device, self.block_size, self.D, self.L, self.Hg
+        s: Settings = st.settings
+        pipe = s.pipeline
+        tp = self.tp_size > 1
+        budgets = s.layer_budgets(L, c)
+        self._init_request(st)
+        if st.lheld is None:
+            st.lheld = np.full(L, st.held, dtype=np.int64)
+            st.lpos, st.lc_event, st.levents = [None] * L, np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64)
+        w = min(st.ring_n, s.query_window) if st.slot is not None else 0
+        ring_idx = self._ring_index(st, w) if w else None
+        table = torch.tensor(row, dtype=torch.long)
+        written = False
+        try:
+            for i in range(L):
+                T, b = int(st.lheld[i]), budgets[i]
+                if T <= b:
+                    continue
+                if len(row) * bs < T:
+                    raise KVComposeError(f"request {rid} holds {T} tokens in layer {i} in {len(row)} blocks of {bs}")
+                p = torch.arange(T)
+                blk, off = table[p // bs].to(dev), (p % bs).to(dev)
+                k, v = self.layout.gather(kv_caches[i], blk, off)  # [H, T, D] each
+                keys, values = k[None], v[None]
+                if tp:
+                    keys, values = self.gather(keys, 1), self.gather(values, 1)
+                if st.lpos[i] is None:
+                    pos = torch.arange(T, device=dev).expand(Hg, T)
+                else:
+                    newer = int(st.lc_event[i]) + torch.arange(T - st.lpos[i].shape[-1], device=dev)
+                    pos = torch.cat([st.lpos[i], newer.expand(Hg, -1)], dim=1)
+                qs = qpos = qv = None
+                if ring_idx is not None:
+                    qs = self.ring[i].index_select(0, ring_idx).view(1, -1, self.Hq, D).transpose(1, 2)
+                    if tp:
+                        qs = self.gather(qs.contiguous(), 1)
+                    qpos = self.ring_pos.index_select(0, ring_idx)
+                    qv = torch.ones(1, ring_idx.shape[0], dtype=torch.bool, device=dev)
+                view = LayerView(
+                    layer_idx=i, num_layers=L, keys=keys, values=values, positions=pos[None],
+                    valid=torch.ones(1, Hg, T, dtype=torch.bool, device=dev), prompt_length=st.prompt_len,
+                    queries=qs, query_positions=qpos, query_valid=qv, seen=c, scale=self.scales[i],
+                    generator=st.gens[i], event=int(st.levents[i]), rows=None, cache_budget=s.budget,
+                )
+                sel, st.states[i] = pipe.select(view, b, st.states[i])
+                if sel.values is not None:  # a Merger
+                    values = sel.values
+                kept = sel.kept[0]  # [Hg, b]
+                if kept.shape[-1] != b or bool((kept < 0).any()):
+                    raise KVComposeError(f"{pipe!r} kept {kept.shape[-1]} tokens per head (some invalid) at layer "
+                                         f"{i}'s budget {b}; the vLLM route needs exactly the budget")
+                own = kept[self.heads] if tp else kept
+                if tp:
+                    keys, values = keys[:, self.heads], values[:, self.heads]
+                idx = own[..., None].expand(-1, -1, D)
+                written = True
+                self.layout.scatter(kv_caches[i], blk[:b], off[:b], keys[0].gather(1, idx), values[0].gather(1, idx))
+                st.lpos[i] = pos.gather(1, kept)
+                st.lc_event[i], st.lheld[i] = c, b
+                st.levents[i] += 1
+        except Exception as e:
+            e.kvc_written = written
+            raise
+        new_row = self.cut(st, c, row)
+        st.c_event = c
+        st.events += 1
+        self.stats.events += 1
+        return {rid: new_row}
 
     def _select_layers(self, group, kv_caches, pipe, B, T, C, seen, io, valid, shift, padded, sts, ring_idx,
                        positions, vpositions, kept_pos) -> None:
@@ -606,16 +736,30 @@ class Runtime:
         sts = [reqs.get(rid) for rid in ids]
         held = np.fromiter((ci if st is None else st.held for st, ci in zip(sts, c.tolist())), dtype=np.int64,
                            count=R)
-        physical = bool((held != c).any())
+        lrows = [r for r, st in enumerate(sts) if st is not None and st.lheld is not None]
+        physical = bool(lrows) or bool((held != c).any())
         t = int(n.sum())
         plan = StepPlan(physical=physical, num_tokens=t)
         dev = self.device
         starts = np.cumsum(n) - n
         if physical:
             tok_row = np.repeat(np.arange(R), n)
-            tok_phys = held[tok_row] + np.arange(t) - starts[tok_row]
+            within = np.arange(t) - starts[tok_row]
             plan.tok_row = torch.from_numpy(tok_row).to(dev, non_blocking=True)
-            plan.tok_phys = torch.from_numpy(tok_phys).to(dev, non_blocking=True)
+            if lrows:  # per-layer counts: one class of layers per distinct column of counts
+                counts = np.repeat(held[:, None], self.L, axis=1)
+                for r in lrows:
+                    counts[r] = sts[r].lheld
+                cols, inv = np.unique(counts, axis=1, return_inverse=True)
+                plan.layer_class = np.asarray(inv).reshape(-1)
+                plan.class_phys, plan.class_seq_lens = [], []
+                for k in range(cols.shape[1]):
+                    hk = cols[:, k]
+                    plan.class_phys.append(torch.from_numpy(hk[tok_row] + within).to(dev, non_blocking=True))
+                    seq = torch.from_numpy((hk + n).astype(np.int32))
+                    plan.class_seq_lens.append((seq.to(dev, non_blocking=True), seq, int(seq.max())))
+                held = cols[:, plan.layer_class[0]]
+            plan.tok_phys = torch.from_numpy(held[tok_row] + within).to(dev, non_blocking=True)
             seq = held + n
             plan.seq_lens_cpu = torch.from_numpy(seq.astype(np.int32))
             plan.seq_lens = plan.seq_lens_cpu.to(dev, non_blocking=True)
@@ -653,11 +797,27 @@ class Runtime:
         self.step = plan
         return plan
 
-    def slots(self, block_table: Tensor, slot_mapping: Tensor) -> None:
-        """Rewrite the step's slot mapping in place from physical positions: `slot = table[row, p // bs] * bs +
-        p % bs` (vLLM's own formula, on the held count instead of the logical one)."""
+    def slots(self, block_table: Tensor, slot_mapping: Tensor, phys: Tensor | None = None) -> None:
+        """Rewrite the step's slot mapping in place from physical positions (`phys`, default the plan's
+        `tok_phys`): `slot = table[row, p // bs] * bs + p % bs` (vLLM's own formula, on the held count instead
+        of the logical one)."""
         plan = self.step
         n, bs = plan.num_tokens, self.block_size
-        p = plan.tok_phys
+        p = plan.tok_phys if phys is None else phys
         blk = block_table[plan.tok_row, p // bs].to(torch.long)
         slot_mapping[:n].copy_(blk * bs + p % bs)
+
+    def layer_slots(self, layer_idx: int) -> Tensor | None:
+        """The slot mapping of one layer at this step when layers hold their own counts (None: the step's)."""
+        plan = self.step
+        if plan is None or plan.class_slots is None:
+            return None
+        return plan.class_slots[plan.layer_class[layer_idx]]
+
+    def layer_metadata(self, layer_idx: int) -> Any:
+        """The attention metadata of one layer at this step when layers hold their own counts (None: the
+        step's)."""
+        plan = self.step
+        if plan is None or plan.class_meta is None:
+            return None
+        return plan.class_meta[plan.layer_class[layer_idx]]

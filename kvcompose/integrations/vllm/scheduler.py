@@ -4,7 +4,8 @@ setting (`engine_kwargs` sets it), which frees the blocks behind each compressed
 At the end of every `schedule()`, for each request the step runs, it applies the worker's own rule to the
 same counts (`rules.event_due` on the prompt length and the `num_computed_tokens` the step sends the worker):
 when the worker will compress the request before this step's forward, the scheduler keeps the request's
-first `budget / block_size` real blocks (the worker packs every layer's and KV head's kept tokens there) and
+first `budget / block_size` real blocks (the worker packs every layer's and KV head's kept tokens there; with
+per-layer budgets, the largest layer's rounded up to whole blocks, `Settings.held_bound`) and
 every block from the logical block of `num_computed_tokens` on, and returns the others to vLLM's pool. They
 serve other requests from the next step on; the worker's packing is done by then. Positions stay logical:
 the freed entries of the request's block list become vLLM's null block, as its sliding-window managers do.
@@ -135,6 +136,9 @@ class KVComposeScheduler(Scheduler):
         self._kvc_block = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self._kvc_engine = engine_limits(cfg, self._kvc_block, vllm_config.model_config.max_model_len)
         self._kvc_base = self._kvc_engine.base
+        self._kvc_layers = vllm_config.model_config.get_total_num_hidden_layers()  # per-layer budgets' schedule
+        self._kvc_heads = vllm_config.model_config.get_total_num_kv_heads()
+        self._kvc_hf = vllm_config.model_config.hf_config
         self._kvc_log = cfg.get("log_file")
         self._kvc_manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         self._kvc: dict[str, _State] = {}
@@ -163,6 +167,7 @@ class KVComposeScheduler(Scheduler):
         sp = request.sampling_params
         try:
             settings = request_settings(sp.extra_args if sp is not None else None, self._kvc_engine)
+            settings.check_layers(self._kvc_hf, self._kvc_layers, self._kvc_heads)  # per-layer budgets
         except Exception as e:  # noqa: BLE001 - whatever it is, it concerns this request alone
             super().add_request(request)
             self._kvc_refuse(request, f"kvcompose: {e}" if isinstance(e, KVComposeError) else
@@ -199,7 +204,8 @@ class KVComposeScheduler(Scheduler):
         if st is None or not st.settings.compresses or st.settings.budget is None:
             return now
         s = st.settings
-        bound = -(-(max(st.prompt_len, s.budget) + s.interval) // b) + 1
+        kept = s.held_bound(self._kvc_layers, b)
+        bound = -(-(max(st.prompt_len, kept) + s.interval) // b) + 1
         if request.max_tokens is not None:
             bound = min(bound, -(-(st.prompt_len + request.max_tokens) // b))
         return max(now, bound)
@@ -286,7 +292,8 @@ class KVComposeScheduler(Scheduler):
             st.last = st.held = 0
         st.held += c - st.last
         s = st.settings
-        due = s.compresses and event_due(st.prompt_len, st.last, c, s.interval, st.held, s.budget)
+        kept = s.held_bound(self._kvc_layers, self._kvc_block) if s.compresses else None
+        due = s.compresses and event_due(st.prompt_len, st.last, c, s.interval, st.held, kept)
         st.last = c
         if not due:
             return None
@@ -294,14 +301,14 @@ class KVComposeScheduler(Scheduler):
         pool = self.kv_cache_manager.block_pool
         blocks = self._kvc_manager.req_to_blocks[rid]
         real = [j for j, b in enumerate(blocks) if not b.is_null]
-        freed = blocks_to_free(real, c, s.budget, self._kvc_block)
+        freed = blocks_to_free(real, c, kept, self._kvc_block)
         null = pool.null_block
         gone = []
         for j in freed:
             gone.append(blocks[j])
             blocks[j] = null
         pool.free_blocks(gone)
-        st.held = s.budget
+        st.held = kept
         st.events += 1
         self.kvc_events += 1
         self.kvc_blocks_freed += len(gone)

@@ -51,7 +51,7 @@ else:  # pragma: no cover - other platforms
 
 from ...view import KVComposeError
 from .attention import backend_kind, register
-from .rules import CONFIG_KEY, FAILED_ATTR, TRACKED_ATTR, engine_limits, kept_row, request_settings
+from .rules import CONFIG_KEY, FAILED_ATTR, TRACKED_ATTR, engine_limits, request_settings
 from .runtime import PagedLayout, Runtime
 
 __all__ = ["KVComposeWorker", "KVComposeRunner"]
@@ -110,6 +110,11 @@ class KVComposeRunner:
             query_window=self._kvc_engine.query_window,
             layout=PagedLayout(kind, spec.head_size, block_size, maps), tp_rank=tp_rank, tp_size=tp, gather=gather,
         )
+        self._kvc.hf_config = vllm_config.model_config.hf_config
+        hidden = vllm_config.model_config.get_total_num_hidden_layers()
+        if hidden != len(layers):  # per-layer schedules count the model's layers; the scheduler uses `hidden`
+            self._kvc.per_layer_refused = (f"the model has {hidden} layers, {len(layers)} of them attention layers: "
+                                           "per-layer budgets would not count the same layers in the scheduler")
         self._kvc_kv = kv
         for impl in impls:
             impl._kvc = self._kvc
@@ -190,8 +195,8 @@ class KVComposeRunner:
                 keep if isinstance(keep, BaseException) else None)
             if err is not None:
                 try:
-                    keep = kept_row(row, c, st.settings.budget, self._kvc_block_size)
-                    st.held, st.c_event = st.settings.budget, c
+                    keep = rt.cut(st, c, row)
+                    st.c_event = c
                 except Exception:  # noqa: BLE001 - the scheduler's rule failed too: it freed nothing
                     keep = None
             st.last = c
