@@ -102,8 +102,19 @@ def full_blocks(prompt_len: int, tokens: int) -> int:
 
 def compressed_blocks(budget: int, interval: int) -> int:
     """The most blocks a compressed request holds (prompts shorter than the budget): the budget's blocks, the
-    interval's, and the partly written block an event keeps (`rules.keep_blocks`)."""
+    interval's, and the partly written block an event keeps (`rules.keep_blocks`). With per-layer budgets pass
+    the blocks' bound (`Settings.held_bound`: the largest layer's budget in whole blocks) as `budget`."""
     return budget // BLOCK + interval // BLOCK + 1
+
+
+def kept_bound(model: str, extra: dict[str, Any], engine_cfg: dict[str, Any]) -> int:
+    """The tokens a compressed request keeps in its blocks after an event: its budget, or with per-layer budgets
+    the largest layer's rounded up to whole blocks (`Settings.held_bound`, for this model's layers)."""
+    from kvcompose.integrations.vllm import CONFIG_KEY, engine_limits, request_settings
+
+    with open(os.path.join(model, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    return request_settings(extra, engine_limits(engine_cfg[CONFIG_KEY], BLOCK)).held_bound(layers, BLOCK)
 
 
 def pool_blocks(prompt_lens: list[int], tokens: int, mode: str, plain_requests: int) -> int:
@@ -233,6 +244,7 @@ def run_engine(args, modes: list[str], tokens: int, engine: str) -> dict[str, di
                    "loadavg_before": load0, "loadavg_after": os.getloadavg()}
             if engine == "kvcompose":
                 run["kvcompose_stats"] = llm.collective_rpc("kvcompose_stats")[0]
+                run["kept_bound"] = kept_bound(args.model, extra, kw["additional_config"])
             runs.append(run)
             print(json.dumps({"mode": mode, "tokens": tokens, "engine": engine, "preset": b["preset"],
                               "budget": b["budget"], "seconds": round(secs, 1), "steps": run["steps"]["steps"],
@@ -266,7 +278,7 @@ def rows(plain: dict[str, Any], kvc: dict[str, Any] | None) -> list[dict[str, An
     for engine, r in [("plain", base)] + [("kvcompose", r) for r in (kvc or {"runs": []})["runs"]]:
         s = r["steps"]
         held = (full_blocks(max(plain["prompt_tokens"]), tokens) if r["budget"] is None
-                else compressed_blocks(r["budget"], r["interval"]))
+                else compressed_blocks(r.get("kept_bound", r["budget"]), r["interval"]))
         row = {"run": "plain vLLM" if engine == "plain" else f"{r['preset']} {r['budget']}",
                "preset": r["preset"], "budget": r["budget"], "interval": r["interval"],
                "producing mean": s["producing_mean"], "producing peak": s["producing_peak"],

@@ -77,6 +77,21 @@ def test_rows_are_ratios_of_the_measured_numbers(bench):
     assert "| rkv 256 | 5.00 | 9 | 4.36 | 2.50 | 40 | 0.40 | 125.00 | 1.25 | 40.00 | 2.00 |" in md
 
 
+def test_per_layer_ceilings_count_the_blocks_of_the_largest_layer(bench, tmp_path):
+    """A per-layer preset holds the largest layer's budget in every layer: its ceiling counts those blocks
+    (pyramid_rkv at a mean of 256 on 30 layers keeps 492 tokens in its largest layer: 16 blocks)."""
+    from kvcompose.integrations.vllm import engine_kwargs, request_kwargs
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30}))
+    cfg = engine_kwargs("full", block_size=32)["additional_config"]
+    assert bench.kept_bound(str(tmp_path), request_kwargs("pyramid_rkv", 256, block_size=32), cfg) == 512
+    assert bench.kept_bound(str(tmp_path), request_kwargs("rkv", 256, block_size=32), cfg) == 256
+    plain = _part("plain", "pressure", [_run("plain", None, 10.0, 200, 100, 4, 7)])
+    pyr = {**_run("pyramid_rkv", 256, 5.0, 200, 40, 9, 1), "kept_bound": 512}
+    rows = bench.rows(plain, _part("kvcompose", "pressure", [pyr, _run("rkv", 256, 5.0, 200, 40, 9, 1)]))
+    assert rows[1]["ceiling"] == pytest.approx(48 / (16 + 2 + 1)) and rows[2]["ceiling"] == pytest.approx(48 / 11)
+
+
 def test_step_recorder_counts_tokens_per_step_and_preemptions(bench):
     rec = bench.StepRecorder()
 
