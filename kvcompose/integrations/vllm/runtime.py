@@ -759,7 +759,9 @@ class Runtime:
                     seq = torch.from_numpy((hk + n).astype(np.int32))
                     plan.class_seq_lens.append((seq.to(dev, non_blocking=True), seq, int(seq.max())))
                 held = cols[:, plan.layer_class[0]]
-            plan.tok_phys = torch.from_numpy(held[tok_row] + within).to(dev, non_blocking=True)
+                plan.tok_phys = plan.class_phys[plan.layer_class[0]]
+            else:
+                plan.tok_phys = torch.from_numpy(held[tok_row] + within).to(dev, non_blocking=True)
             seq = held + n
             plan.seq_lens_cpu = torch.from_numpy(seq.astype(np.int32))
             plan.seq_lens = plan.seq_lens_cpu.to(dev, non_blocking=True)
