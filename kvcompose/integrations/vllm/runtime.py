@@ -627,13 +627,7 @@ class Runtime:
                 else:
                     newer = int(st.lc_event[i]) + torch.arange(T - st.lpos[i].shape[-1], device=dev)
                     pos = torch.cat([st.lpos[i], newer.expand(Hg, -1)], dim=1)
-                qs = qpos = qv = None
-                if ring_idx is not None:
-                    qs = self.ring[i].index_select(0, ring_idx).view(1, -1, self.Hq, D).transpose(1, 2)
-                    if tp:
-                        qs = self.gather(qs.contiguous(), 1)
-                    qpos = self.ring_pos.index_select(0, ring_idx)
-                    qv = torch.ones(1, ring_idx.shape[0], dtype=torch.bool, device=dev)
+                qs, qpos, qv = self._ring_queries(i, None if ring_idx is None else ring_idx[None], 0)
                 view = LayerView(
                     layer_idx=i, num_layers=L, keys=keys, values=values, positions=pos[None],
                     valid=torch.ones(1, Hg, T, dtype=torch.bool, device=dev), prompt_length=st.prompt_len,
@@ -665,6 +659,20 @@ class Runtime:
         self.stats.events += 1
         return {rid: new_row}
 
+    def _ring_queries(self, i: int, ring_idx: Tensor | None, shift: Any) -> tuple[Tensor | None, Tensor | None,
+                                                                            Tensor | None]:
+        """Layer `i`'s recorded queries of `n` requests for their `LayerView` (`ring_idx`: `[n, w]` flat ring
+        indices, None for none): queries `[n, Hq, w, D]` (every head under tensor parallelism), their positions
+        `[w]` (shifted by `shift`) and validity `[n, w]`."""
+        if ring_idx is None:
+            return None, None, None
+        n, w = ring_idx.shape
+        qs = self.ring[i].index_select(0, ring_idx.reshape(-1)).view(n, -1, self.Hq, self.D).transpose(1, 2)
+        if self.tp_size > 1:
+            qs = self.gather(qs.contiguous(), 1)
+        qpos = self.ring_pos.index_select(0, ring_idx[0]) + shift
+        return qs, qpos, torch.ones(n, w, dtype=torch.bool, device=self.device)
+
     def _select_layers(self, group, kv_caches, pipe, B, T, C, seen, io, valid, shift, padded, sts, ring_idx,
                        positions, vpositions, kept_pos) -> None:
         """The per-layer part of `_compress_group` (one `Pipeline.select` per layer for the group's rows). An
@@ -681,13 +689,7 @@ class Runtime:
                 if tp:  # every rank sees every head (rank order = the model's head order)
                     keys, values = self.gather(keys, 1), self.gather(values, 1)
                 pos, vpos = positions[:, i], vpositions[:, i]  # [n, Hg, T]: logical, and the view's
-                qs = qpos = qv = None
-                if ring_idx is not None:
-                    qs = self.ring[i].index_select(0, ring_idx.reshape(-1)).view(n, -1, self.Hq, D).transpose(1, 2)
-                    if tp:
-                        qs = self.gather(qs.contiguous(), 1)
-                    qpos = self.ring_pos.index_select(0, ring_idx[0]) + shift[0]
-                    qv = torch.ones(n, ring_idx.shape[1], dtype=torch.bool, device=dev)
+                qs, qpos, qv = self._ring_queries(i, ring_idx, shift[0])
                 view = LayerView(
                     layer_idx=i, num_layers=L, keys=keys, values=values, positions=vpos, valid=valid,
                     prompt_length=sts[0].prompt_len + C - seen[0], queries=qs, query_positions=qpos,
