@@ -572,7 +572,7 @@ def test_query_ring_keeps_the_last_window_in_order():
         rt.plan([("r", c, n)])
         rt.record(0, q[c:c + n])
         c += n
-    got, pos, valid = rt._queries(st_, 0, 4)
+    got, pos, valid = rt._ring_queries(0, rt._ring_index(st_, 4)[None], 0)
     assert torch.equal(pos, torch.arange(c - 4, c)) and bool(valid.all())
     assert torch.equal(got[0], q[c - 4:c].transpose(0, 1))
 
@@ -632,7 +632,7 @@ def test_backend_mixins_pass_through_without_kvcompose_and_rewrite_with_it():
     assert cm.slot_mapping.tolist() == [13 * 8, 21 * 8 + 5, 21 * 8 + 6, 21 * 8 + 7]  # rewritten in place
     q = torch.randn(4, 4, 8)
     assert impl.forward(None, q, None, None, None, object(), None) == "vllm"
-    got, pos, _ = rt._queries(a, 0, 4)
+    got, pos, _ = rt._ring_queries(0, rt._ring_index(a, 4)[None], 0)
     assert torch.equal(got[0, :, -1], q[0]) and pos.tolist() == [40]  # a's one query went into its ring
     rt.step = None  # a dummy run after the step: nothing recorded, nothing rewritten
     assert builder.build(0, cm) is cm

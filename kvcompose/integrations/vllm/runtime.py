@@ -425,38 +425,24 @@ class Runtime:
         self.ring[layer_idx].index_copy_(0, plan.ring_dst, q.index_select(0, plan.ring_src).to(self.dtype))
         self.stats.record_seconds += time.perf_counter() - t0
 
-    def _queries(self, st: RequestState, layer_idx: int, window: int) -> tuple[Tensor, Tensor, Tensor] | None:
-        """The request's last `window` queries of a layer, oldest first: `[1, Hq, w, D]`, positions `[w]`, valid."""
-        if window == 0 or st.slot is None or st.ring_n == 0:
-            return None
-        base = st.slot * self.W
-        if st.ring_n < self.W:
-            idx = torch.arange(st.ring_n, device=self.device)
-        else:
-            idx = (st.ring_head + torch.arange(self.W, device=self.device)) % self.W
-        idx = base + idx[-window:]
-        q = self.ring[layer_idx].index_select(0, idx).transpose(0, 1)[None]
-        pos = self.ring_pos.index_select(0, idx)
-        return q, pos, torch.ones(1, idx.shape[0], dtype=torch.bool, device=self.device)
-
     # -- the event --------------------------------------------------------------------------------
+    def _continued(self, kept: Tensor | None, c_event: int, width: int, lead: tuple[int, ...]) -> Tensor:
+        """`[*lead, width]` logical positions of held tokens: the kept ones (`kept`: `[*lead, b]`, None before the
+        first event), then the newer ones from `c_event` on, continued up to `width`."""
+        if kept is None:
+            return torch.arange(width, device=self.device).expand(*lead, width)
+        newer = c_event + torch.arange(width - kept.shape[-1], device=self.device)
+        return torch.cat([kept, newer.expand(*lead, -1)], dim=-1)
+
     def _all_positions(self, st: RequestState, width: int) -> Tensor:
         """`[L, Hg, width]`: `_positions` of every layer at once."""
-        if st.kept_pos is None:
-            return torch.arange(width, device=self.device).expand(self.L, self.Hg, width)
-        b = st.kept_pos.shape[-1]
-        newer = st.c_event + torch.arange(width - b, device=self.device)
-        return torch.cat([st.kept_pos, newer.expand(self.L, self.Hg, -1)], dim=2)
+        return self._continued(st.kept_pos, st.c_event, width, (self.L, self.Hg))
 
     def _positions(self, st: RequestState, layer_idx: int, width: int | None = None) -> Tensor:
         """`[Hg, width]` logical positions of the tokens a layer holds in each of the model's KV heads (the kept
         ones, then the newer ones), continued past the held count up to `width` (default: the held count)."""
-        width = st.held if width is None else width
-        if st.kept_pos is None:
-            return torch.arange(width, device=self.device).expand(self.Hg, width)
-        b = st.kept_pos.shape[-1]
-        newer = st.c_event + torch.arange(width - b, device=self.device)
-        return torch.cat([st.kept_pos[layer_idx], newer.expand(self.Hg, -1)], dim=1)
+        kept = None if st.kept_pos is None else st.kept_pos[layer_idx]
+        return self._continued(kept, st.c_event, st.held if width is None else width, (self.Hg,))
 
     def _ring_index(self, st: RequestState, window: int) -> Tensor:
         """`[window]` flat ring indices of the request's last `window` queries, oldest first (the ring must hold
@@ -619,31 +605,16 @@ class Runtime:
                 p = torch.arange(T)
                 blk, off = table[p // bs].to(dev), (p % bs).to(dev)
                 k, v = self.layout.gather(kv_caches[i], blk, off)  # [H, T, D] each
-                keys, values = k[None], v[None]
-                if tp:
-                    keys, values = self.gather(keys, 1), self.gather(values, 1)
-                if st.lpos[i] is None:
-                    pos = torch.arange(T, device=dev).expand(Hg, T)
-                else:
-                    newer = int(st.lc_event[i]) + torch.arange(T - st.lpos[i].shape[-1], device=dev)
-                    pos = torch.cat([st.lpos[i], newer.expand(Hg, -1)], dim=1)
-                qs, qpos, qv = self._ring_queries(i, None if ring_idx is None else ring_idx[None], 0)
-                view = LayerView(
-                    layer_idx=i, num_layers=L, keys=keys, values=values, positions=pos[None],
-                    valid=torch.ones(1, Hg, T, dtype=torch.bool, device=dev), prompt_length=st.prompt_len,
-                    queries=qs, query_positions=qpos, query_valid=qv, seen=c, scale=self.scales[i],
-                    generator=st.gens[i], event=int(st.levents[i]), rows=None, cache_budget=s.budget,
-                )
-                sel, st.states[i] = pipe.select(view, b, st.states[i])
-                if sel.values is not None:  # a Merger
-                    values = sel.values
-                kept = sel.kept[0]  # [Hg, b]
-                if kept.shape[-1] != b or bool((kept < 0).any()):
-                    raise KVComposeError(f"{pipe!r} kept {kept.shape[-1]} tokens per head (some invalid) at layer "
-                                         f"{i}'s budget {b}; the vLLM route needs exactly the budget")
+                pos = self._continued(st.lpos[i], int(st.lc_event[i]), T, (Hg,))
+                kept, keys, values, st.states[i] = self._select_layer(
+                    i, pipe, k[None], v[None], b, None if ring_idx is None else ring_idx[None], 0, st.states[i],
+                    positions=pos[None], valid=torch.ones(1, Hg, T, dtype=torch.bool, device=dev),
+                    prompt_length=st.prompt_len, seen=c, generator=st.gens[i], event=int(st.levents[i]),
+                    cache_budget=s.budget)
+                kept = kept[0]  # [Hg, b]
+                if bool((kept < 0).any()):
+                    raise KVComposeError(f"{pipe!r} kept an invalid token at layer {i}'s budget {b}")
                 own = kept[self.heads] if tp else kept
-                if tp:
-                    keys, values = keys[:, self.heads], values[:, self.heads]
                 idx = own[..., None].expand(-1, -1, D)
                 written = True
                 self.layout.scatter(kv_caches[i], blk[:b], off[:b], keys[0].gather(1, idx), values[0].gather(1, idx))
@@ -673,6 +644,29 @@ class Runtime:
         qpos = self.ring_pos.index_select(0, ring_idx[0]) + shift
         return qs, qpos, torch.ones(n, w, dtype=torch.bool, device=self.device)
 
+    def _select_layer(self, i: int, pipe: Pipeline, keys: Tensor, values: Tensor, budget: int, ring_idx: Tensor | None,
+                      shift: Any, state: Any, **view: Any) -> tuple[Tensor, Tensor, Tensor, Any]:
+        """Layer `i`'s selection for `n` rows, what both events share: every head gathered under tensor
+        parallelism (rank order = the model's head order), the recorded queries, one `Pipeline.select` over a
+        `LayerView` (`view`: its other fields), the merged values of a `Merger`, the count checked. `keys`,
+        `values`: `[n, H, T, D]` (this rank's heads). Returns `kept` `[n, Hg, budget]` (every head; -1 marks an
+        invalid pick, checked by the caller), this rank's keys and values to pack from, and the new state."""
+        tp = self.tp_size > 1
+        if tp:
+            keys, values = self.gather(keys, 1), self.gather(values, 1)
+        qs, qpos, qv = self._ring_queries(i, ring_idx, shift)
+        sel, state = pipe.select(LayerView(layer_idx=i, num_layers=self.L, keys=keys, values=values, queries=qs,
+                                           query_positions=qpos, query_valid=qv, scale=self.scales[i], rows=None,
+                                           **view), budget, state)
+        if sel.values is not None:  # a Merger: the kept tokens take the merged values (keys never change)
+            values = sel.values
+        if sel.kept.shape[-1] != budget:
+            raise KVComposeError(f"{pipe!r} kept {sel.kept.shape[-1]} tokens per head at layer {i}'s budget {budget}; "
+                                 "the vLLM route needs exactly the budget (the scheduler frees blocks by that count)")
+        if tp:  # this rank packs its own heads
+            keys, values = keys[:, self.heads], values[:, self.heads]
+        return sel.kept, keys, values, state
+
     def _select_layers(self, group, kv_caches, pipe, B, T, C, seen, io, valid, shift, padded, sts, ring_idx,
                        positions, vpositions, kept_pos) -> None:
         """The per-layer part of `_compress_group` (one `Pipeline.select` per layer for the group's rows). An
@@ -686,30 +680,16 @@ class Runtime:
         try:
             for i in range(L):
                 keys, values = io.load(kv_caches[i])  # [n, H, T, D]
-                if tp:  # every rank sees every head (rank order = the model's head order)
-                    keys, values = self.gather(keys, 1), self.gather(values, 1)
                 pos, vpos = positions[:, i], vpositions[:, i]  # [n, Hg, T]: logical, and the view's
-                qs, qpos, qv = self._ring_queries(i, ring_idx, shift[0])
-                view = LayerView(
-                    layer_idx=i, num_layers=L, keys=keys, values=values, positions=vpos, valid=valid,
-                    prompt_length=sts[0].prompt_len + C - seen[0], queries=qs, query_positions=qpos,
-                    query_valid=qv, seen=C, scale=self.scales[i], generator=sts[0].gens[i], event=sts[0].events,
-                    rows=None, cache_budget=B, padding=shift if padded else None,
-                )
-                sel, state = pipe.select(view, B, sts[0].states[i] if alone else None)
+                kept, keys, values, state = self._select_layer(
+                    i, pipe, keys, values, B, ring_idx, shift[0], sts[0].states[i] if alone else None,
+                    positions=vpos, valid=valid, prompt_length=sts[0].prompt_len + C - seen[0], seen=C,
+                    generator=sts[0].gens[i], event=sts[0].events, cache_budget=B, padding=shift if padded else None)
                 if alone:
                     sts[0].states[i] = state
-                if sel.values is not None:  # a Merger: the kept tokens take the merged values (keys never change)
-                    values = sel.values
-                kept = sel.kept
-                if kept.shape[-1] != B:
-                    raise KVComposeError(f"{pipe!r} kept {kept.shape[-1]} tokens per head at budget {B}; the vLLM "
-                                         "route needs exactly the budget (the scheduler frees blocks by that count)")
                 bad |= (kept < 0).any()
                 kc = kept.clamp(min=0)
-                own = kc[:, self.heads] if tp else kc  # this rank packs its own heads
-                if tp:
-                    keys, values = keys[:, self.heads], values[:, self.heads]
+                own = kc[:, self.heads] if tp else kc
                 rows = ((torch.arange(n * H, device=dev) * T).view(n, H, 1) + own).reshape(-1)
                 new_k = keys.reshape(n * H * T, D).index_select(0, rows).view(n, H, B, D)
                 new_v = values.reshape(n * H * T, D).index_select(0, rows).view(n, H, B, D)
