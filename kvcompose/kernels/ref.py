@@ -98,13 +98,17 @@ def key_redundancy(keys: Tensor, valid: Tensor, threshold: float = 0.5, chunk: O
     for i0 in range(0, T, chunk):
         i1 = min(T, i0 + chunk)
         S = kn[:, :, i0:i1] @ kn.transpose(-1, -2)  # [B,H,c,T]
-        offdiag = ar[i0:i1, None] != ar[None, :]  # [c,T]
-        S = S * offdiag
-        pair_ok = valid[:, :, i0:i1, None] & valid[:, :, None, :] & offdiag
-        cand = (S > threshold) & pair_ok
-        last = torch.where(cand, ar, torch.full_like(ar, -1)).amax(-1)  # [B,H,c]; -1: none
-        drop = (ar == last.unsqueeze(-1)) & (last.unsqueeze(-1) >= 0)
-        col += S.masked_fill(drop, 0.0).sum(-2)
+        S.diagonal(offset=i0, dim1=-2, dim2=-1).zero_()  # S[i, i] = 0
+        if threshold >= 0:  # S[i, i] and every invalid pair are 0 here, never above the threshold
+            cand = S > threshold
+        else:
+            cand = (S > threshold) & valid[:, :, i0:i1, None] & valid[:, :, None, :]
+            cand.diagonal(offset=i0, dim1=-2, dim2=-1).fill_(False)
+        # the last candidate column of each row (a byte-wide search, not an int64 one), zeroed in place
+        last = (T - 1) - cand.flip(-1).to(torch.uint8).argmax(-1, keepdim=True)  # [B,H,c,1]
+        hit = S.gather(-1, last)
+        S.scatter_(-1, last, torch.where(cand.gather(-1, last), torch.zeros_like(hit), hit))
+        col += S.sum(-2)
     n = valid.sum(-1, keepdim=True).clamp_min(1).float()
     return masked_softmax(col / n, valid)
 

@@ -191,6 +191,38 @@ def test_key_redundancy_reference_chunking_is_invisible():
     torch.testing.assert_close(a, b)
 
 
+def _masked_key_redundancy(keys, valid, threshold, chunk):
+    """The reference as it was written first (full masks: diagonal, valid pairs, the last candidate by an int64
+    search, then `masked_fill`), kept as the oracle of the in-place version, which must equal it bit for bit."""
+    B, H, T, _ = keys.shape
+    kn = K.ref.normalize_keys(keys) * valid.unsqueeze(-1)
+    ar = torch.arange(T, device=keys.device)
+    col = torch.zeros(B, H, T, device=keys.device)
+    for i0 in range(0, T, chunk):
+        i1 = min(T, i0 + chunk)
+        S = kn[:, :, i0:i1] @ kn.transpose(-1, -2)
+        offdiag = ar[i0:i1, None] != ar[None, :]
+        S = S * offdiag
+        pair_ok = valid[:, :, i0:i1, None] & valid[:, :, None, :] & offdiag
+        cand = (S > threshold) & pair_ok
+        last = torch.where(cand, ar, torch.full_like(ar, -1)).amax(-1)
+        drop = (ar == last.unsqueeze(-1)) & (last.unsqueeze(-1) >= 0)
+        col += S.masked_fill(drop, 0.0).sum(-2)
+    n = valid.sum(-1, keepdim=True).clamp_min(1).float()
+    return K.ref.masked_softmax(col / n, valid)
+
+
+@pytest.mark.parametrize("thr", [0.5, 0.0, -0.3, 0.95])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_key_redundancy_reference_equals_its_masked_form_bit_for_bit(thr, chunk):
+    g = torch.Generator().manual_seed(int(thr * 100) + chunk)
+    for dtype, dup in ((torch.float32, 0), (torch.float32, 12), (torch.bfloat16, 12)):
+        keys = _keys_with_duplicates(g, 2, 3, 45, 8, dtype, dup)
+        valid = (torch.rand(2, 3, 45, generator=g) < 0.7).to(keys.device)
+        want = _masked_key_redundancy(keys, valid, thr, chunk)
+        assert torch.equal(K.ref.key_redundancy(keys, valid, thr, chunk=chunk), want), (dtype, dup)
+
+
 def test_key_redundancy_newest_duplicate_survives():
     """Three copies of one key (tokens 0, 2, 3): each row drops its newest duplicate, so
     the oldest copy counts as the most redundant and the newest as the least."""
