@@ -113,6 +113,10 @@ class Block:
         query_window: how many recent post-RoPE queries the block reads (the layer keeps a ring buffer).
         draws_random: the block draws from the layer's seeded generator (`LayerView.generator`), so the
             cache's `seed` changes what it does (a cache warns about a seed for a pipeline without one).
+        draws_per_row: every draw of the block leads with the view's rows (`seeding.draw`) and a row's part has
+            the shape it has when the row is alone at the same width, so rows of separate requests can each draw
+            from their own generator in one view (`RowGenerators`: the vLLM route's grouped events) and draw
+            exactly what they draw alone; False (the default) runs such requests one at a time.
         padded_rows: why a left-padded row of a batch may keep other tokens than the same row alone with this
             block (e.g. a budget shared by the batch's rows), or None: it keeps the same (the rule every block
             states, checked by tests/test_block_rules.py; a cache warns the reason at a padded forward).
@@ -121,6 +125,7 @@ class Block:
     token_state: int = 0
     query_window: int = 0
     draws_random: bool = False  # True: draws from the layer's seeded generator (the cache's `seed` matters)
+    draws_per_row: bool = False  # True: its draws lead with the rows (one generator per row can serve them)
     padded_rows: str | None = None  # why a left-padded row may keep other tokens than the row alone (None: same)
 
     _hook: str | None = None  # what a subclass of the role implements (set by the role's base class)

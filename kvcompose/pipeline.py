@@ -210,6 +210,12 @@ class Pipeline:
         skip = set() if merging or self.merger is None else {id(self.merger), *map(id, self._leaves_of(self._merger_index))}
         return any(b.draws_random for b in (*self.leaves, *self.parts, self.tier) if id(b) not in skip)
 
+    @property
+    def draws_per_row(self) -> bool:
+        """True when every block that draws declares `draws_per_row` (its draws lead with the view's rows), so
+        rows of separate requests can run in one view, each drawing from its own generator (`RowGenerators`)."""
+        return all(b.draws_per_row for b in (*self.leaves, *self.parts, self.tier) if b.draws_random)
+
     def _leaves_of(self, idx: Any) -> list[Block]:
         """The leaves of a part, from its index tree."""
         if isinstance(idx, int):

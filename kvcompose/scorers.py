@@ -18,7 +18,7 @@ from torch import Tensor
 from .attention_math import attention_probs
 from .block import Block, require_role, with_state
 from .kernels import key_redundancy, value_magnitude, window_attention_scores
-from .seeding import check_seed, derived_seed
+from .seeding import check_seed, derived_seed, draw
 from .view import AttentionStep, KVComposeError, LayerSpec, LayerView, warn_unused
 
 __all__ = [
@@ -358,11 +358,10 @@ class RandomScore(Scorer):
     """Independent uniform random scores per row, KV head and token, drawn from the layer's generator."""
 
     draws_random = True
+    draws_per_row = True
 
     def score(self, view: LayerView) -> Float[Tensor, "B H T"]:
-        gen = view.generator
-        return torch.rand(view.shape, generator=gen, device=gen.device if gen is not None else view.device
-                          ).to(view.device)
+        return draw(torch.rand, view.shape, view.generator, view.device)
 
 
 class ProjectedNorm(Scorer):
@@ -379,6 +378,8 @@ class ProjectedNorm(Scorer):
         fixed: draw `G` once per layer (True) or at every event (False).
         seed: seeds the fixed projections (with the layer index).
     """
+
+    draws_per_row = True  # with fixed=False: one G per row, drawn through `seeding.draw`
 
     def __init__(self, rank: int = 20, fixed: bool = True, seed: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
@@ -403,9 +404,7 @@ class ProjectedNorm(Scorer):
         b, h, t, d = view.keys.shape
         g = state
         if g is None or g.shape[0] != b:
-            gen = view.generator
-            g = torch.randn(b, 1, d, self.rank, generator=gen, device=gen.device if gen is not None else view.device)
-            g = g.to(view.device) / self.rank**0.5
+            g = draw(torch.randn, (b, 1, d, self.rank), view.generator, view.device) / self.rank**0.5
         k2 = (view.keys.float() @ g).pow(2).sum(-1)
         v2 = (view.values.float() @ g[..., : view.values.shape[-1], :]).pow(2).sum(-1)
         s = (k2 * v2).masked_fill(~view.valid, 0.0)

@@ -6,11 +6,15 @@ search and the vLLM route all use `derived_seed`, and every place that accepts a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from .view import KVComposeError
+import torch
+from torch import Tensor
 
-__all__ = ["SEED_STRIDE", "MAX_SEED", "check_seed", "derived_seed"]
+from .view import KVComposeError, RowGenerators
+
+__all__ = ["SEED_STRIDE", "MAX_SEED", "check_seed", "derived_seed", "draw", "bernoulli"]
 
 SEED_STRIDE = 1_000_003
 """Seeds of consecutive layers (or nodes) of one cache are `SEED_STRIDE` apart from another cache's."""
@@ -35,3 +39,32 @@ def derived_seed(seed: int, index: int) -> int:
     if not 0 <= index < SEED_STRIDE:
         raise KVComposeError(f"a seed index must be in [0, {SEED_STRIDE}), got {index}")
     return seed * SEED_STRIDE + index
+
+
+def _rows(generator: RowGenerators, n: int, what: str) -> None:
+    if n != len(generator):
+        raise KVComposeError(f"{what} is not one draw per row of the view's {len(generator)} rows (each row has its "
+                             "own generator): a block that draws so cannot run rows of separate requests together")
+
+
+def draw(fn: Callable[..., Tensor], shape: tuple[int, ...], generator: torch.Generator | RowGenerators | None,
+         device: torch.device, **kw: Any) -> Tensor:
+    """`fn(shape, generator=generator, **kw)` (`torch.rand`, `torch.randn`) on the generator's device, moved to
+    `device`. With `RowGenerators` the shape must lead with the rows: row `r` is drawn as `(1, *shape[1:])` from
+    generator `r`, what it draws alone."""
+    shape = tuple(shape)
+    if isinstance(generator, RowGenerators):
+        _rows(generator, shape[0] if shape else -1, f"a draw of shape {shape}")
+        return torch.cat([fn((1, *shape[1:]), generator=g, device=g.device, **kw).to(device) for g in generator])
+    dev = generator.device if generator is not None else device
+    return fn(shape, generator=generator, device=dev, **kw).to(device)
+
+
+def bernoulli(p: Tensor, generator: torch.Generator | RowGenerators | None) -> Tensor:
+    """`torch.bernoulli(p, generator=generator)` on the generator's device, moved back to `p`'s; with
+    `RowGenerators`, row `r` of `p` (its first axis) from generator `r`."""
+    if isinstance(generator, RowGenerators):
+        _rows(generator, p.shape[0] if p.dim() else -1, f"a Bernoulli draw of shape {tuple(p.shape)}")
+        return torch.cat([torch.bernoulli(p[r:r + 1].to(g.device), generator=g).to(p.device)
+                          for r, g in enumerate(generator)])
+    return torch.bernoulli(p if generator is None else p.to(generator.device), generator=generator).to(p.device)

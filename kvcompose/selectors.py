@@ -24,15 +24,15 @@ from torch import Tensor
 from .block import Block, accepts, require_role, with_state
 from .hostsync import check_later
 from .kernels.ref import run_sums, top_last
-from .view import KVComposeError
+from .seeding import draw
+from .view import KVComposeError, RowGenerators
 
 __all__ = ["Selector", "TopK", "Sample", "RandomDrop", "BlockGranular", "indices_from_priority", "priority_order"]
 
 
-def _rand(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> Tensor:
-    """Uniform draws from `generator` on the generator's own device, moved to `device`."""
-    dev = generator.device if generator is not None else device
-    return torch.rand(shape, generator=generator, device=dev).to(device)
+def _rand(shape: tuple[int, ...], generator: Any, device: torch.device) -> Tensor:
+    """Uniform draws from `generator` (or one per row: `RowGenerators`) on its own device, moved to `device`."""
+    return draw(torch.rand, shape, generator, device)
 
 
 def priority_order(
@@ -107,7 +107,7 @@ class Selector(Block):
         self,
         scores: Float[Tensor, "B H T"] | None,
         valid: Bool[Tensor, "B H T"],
-        generator: torch.Generator | None,
+        generator: torch.Generator | RowGenerators | None,
     ) -> Float[Tensor, "B H T"]:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -117,7 +117,7 @@ class Selector(Block):
         protected: Bool[Tensor, "B H T"],
         valid: Bool[Tensor, "B H T"],
         budget: Int[Tensor, "B H"],
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | RowGenerators | None = None,
         need_order: bool = False,
         positions: Int[Tensor, "B H T"] | None = None,
         *,
@@ -138,7 +138,7 @@ class Selector(Block):
         protected: Bool[Tensor, "B H T"],
         valid: Bool[Tensor, "B H T"],
         budget: Int[Tensor, "B H"],
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | RowGenerators | None = None,
         need_order: bool = False,
         positions: Int[Tensor, "B H T"] | None = None,
         state: Any = None,
@@ -167,7 +167,7 @@ class Selector(Block):
         protected: Bool[Tensor, "B H T"],
         valid: Bool[Tensor, "B H T"],
         budget: Int[Tensor, "B H"],
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | RowGenerators | None = None,
         need_order: bool = False,
         positions: Int[Tensor, "B H T"] | None = None,
         *,
@@ -227,6 +227,7 @@ class Sample(Selector):
     """
 
     draws_random = True
+    draws_per_row = True
 
     def __init__(self, temperature: float = 1.0, eps: float = 1e-12):
         if temperature <= 0:
@@ -256,6 +257,7 @@ class RandomDrop(Selector):
 
     needs_scores = False
     draws_random = True
+    draws_per_row = True
 
     def __init__(self, shared_heads: bool = False):
         self.shared_heads = bool(shared_heads)

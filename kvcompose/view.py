@@ -15,7 +15,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-__all__ = ["KVComposeError", "KVComposeWarning", "warn_unused", "LayerView", "LayerSpec", "AttentionStep",
+__all__ = ["KVComposeError", "KVComposeWarning", "warn_unused", "RowGenerators", "LayerView", "LayerSpec", "AttentionStep",
            "FAR_POSITION"]
 
 FAR_POSITION = 2**40
@@ -35,6 +35,12 @@ class KVComposeWarning(UserWarning):
 def warn_unused(what: str, why: str, stacklevel: int = 3) -> None:
     """Warn (`KVComposeWarning`) that `what` (e.g. "budget=128") has no effect, and why."""
     warnings.warn(f"{what} has no effect: {why}", KVComposeWarning, stacklevel=stacklevel)
+
+
+class RowGenerators(tuple):
+    """One seeded generator per row of a `LayerView` (its `generator`), for rows that stand for separate
+    requests (the vLLM route's grouped events): a draw whose shape leads with the rows (`seeding.draw`) takes row
+    `r`'s part from generator `r`, so each row draws exactly what it draws alone (at the same width)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,8 @@ class LayerView:
         query_valid: `[B, W]` False where a buffered query belongs to a padding token.
         seen: number of tokens seen so far (held + evicted).
         scale: attention scaling (1/sqrt(D) unless the model says otherwise).
-        generator: the layer's random generator (seeded by the cache, on the layer's device).
+        generator: the layer's random generator (seeded by the cache, on the layer's device), or one per row
+            (`RowGenerators`, rows of separate requests): blocks draw through `seeding.draw`.
         event: how many compression events this layer has run before this one.
         rows: `[B]` the rows this event compresses (None: all of them); the other rows keep every token.
         cache_budget: the budget the cache was given, before any per-layer schedule (None: none).
@@ -99,7 +106,7 @@ class LayerView:
     query_valid: Bool[Tensor, "B W"] | None
     seen: int
     scale: float
-    generator: torch.Generator | None = None
+    generator: torch.Generator | RowGenerators | None = None
     event: int = 0
     rows: Bool[Tensor, " B"] | None = None
     cache_budget: int | None = None

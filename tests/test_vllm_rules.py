@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from helpers import examples, rand_ids, tree_model
 from kvcompose import BlockGranular, HostTier, KeyNorm, KVComposeCache, Pipeline, RandomDrop, Scorer, TopK, methods
+from kvcompose.blocks.cur import CUR
 from kvcompose.allocators import SeenShare
 from kvcompose.methods.reco import RewardAllocator
 from kvcompose.integrations.vllm import (CONFIG_KEY, decode_pipeline, engine_kwargs, event_due, request_kwargs,
@@ -364,15 +365,19 @@ def _drive(rt, reqs, kv, rows, data, steps, count=None):
 
 
 @pytest.mark.parametrize("preset", ["streaming_llm", "rkv", "snapkv", "tova", "knorm", "random_attention",
-                                    "merging(snapkv)"])
+                                    "merging(snapkv)", "vase", "cur(random)"])
 def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset):
     """`Runtime.compress_many` runs the requests due at one step as rows of one `LayerView` (different prompt
     lengths, the same decoded count; rows padded to the longest) and packs exactly what each request's event
     alone packs: the same bytes in its leading blocks and the same kept positions, every layer and head (the
-    batched run moves whole blocks, the lone one, on a cache that is not contiguous, single slots)."""
+    batched run moves whole blocks, the lone one, on a cache that is not contiguous, single slots). A pipeline
+    that draws per row (random_attention, VaSE's sampling) groups rows of one held count, each row drawing
+    from its own generators; one whose draw is shared by the rows (CUR's random projection) runs alone."""
     L, H, Hq, D, bs, B, I = 2, 2, 4, 8, 8, 32, 16
     pipe = {"merging(snapkv)": methods.merging(methods.snapkv()),
-            "random_attention": methods.random_attention(recent=8)}.get(preset) or methods.PRESETS[preset]()
+            "random_attention": methods.random_attention(recent=8),
+            "vase": methods.vase(recent=8, window=16),
+            "cur(random)": Pipeline(CUR(random_projection=True), TopK())}.get(preset) or methods.PRESETS[preset]()
     prompts = {"a": 30, "b": 45, "c": 64}  # held 46, 61 and 80 at the first event
     g = torch.Generator().manual_seed(3)
     nb = 64
@@ -402,8 +407,9 @@ def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset):
                 assert got[r] == kept_row(rows[r], counts[r], B, bs)
                 assert rt.requests[r].held == B
                 rows[r] = got[r] + [b for b in rows[r] if b not in got[r]]
-        if together:  # one group per step, unless the pipeline draws random numbers (one generator per request)
-            assert rt.stats.event_groups == (6 if pipe.draws_random else 2) and rt.stats.events == 6
+        if together:  # one group per step; drawing per row: one per held count (3, then 1); else one per request
+            groups = (4 if pipe.draws_per_row else 6) if pipe.draws_random else 2
+            assert rt.stats.event_groups == groups and rt.stats.events == 6
         out.append((kv, {r: rt.requests[r].kept_pos for r in prompts}))
     (kv1, pos1), (kv2, pos2) = out
     for r in prompts:
@@ -411,7 +417,7 @@ def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset):
         lead = torch.tensor(rows[r][: B // bs])
         for i in range(L):
             assert torch.equal(kv1[i][lead], kv2[i][lead]), (r, i)
-        if preset != "random_attention":  # the tokens kept are the scores' choice, not the first ones
+        if preset not in ("random_attention", "vase"):  # the tokens kept are the scores' choice, not the first ones
             assert not torch.equal(pos1[r][0, 0], torch.arange(B))
 
 

@@ -13,6 +13,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from ..block import Block
+from ..seeding import bernoulli
 from ..view import AttentionStep, KVComposeError, LayerSpec, LayerView
 from .merging import Merger, evicted_slots
 
@@ -86,6 +87,8 @@ class CAM(Merger):
     """
 
     draws_random = True  # the Bernoulli merge decisions
+    # draws_per_row stays False: the draw's width is the rows' largest candidate count, so a row grouped with
+    # others may draw another shape than alone
 
     def __init__(self, window: int = 32):
         if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
@@ -132,8 +135,7 @@ class CAM(Merger):
             p = attn.gather(-1, cand) / mean
             p = torch.where(torch.isnan(p), torch.zeros_like(p), p)
             p = torch.where(torch.isinf(p), torch.ones_like(p), p).clamp(0, 1)
-            gen = view.generator
-            draw = torch.bernoulli(p if gen is None else p.to(gen.device), generator=gen).to(view.device)
+            draw = bernoulli(p, view.generator).to(view.device)
             scale = draw * (c_ok & (size > 0)).float() / size.clamp(min=1).float()
             ve = values.gather(2, cand[..., None].expand(*cand.shape, dv))
             contrib = (ve * scale[..., None])[:, :, :, None, :] * win_ok[..., None]  # [B, H, C, M, Dv]

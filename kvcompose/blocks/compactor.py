@@ -43,6 +43,7 @@ class Compactor(Scorer):
     """
 
     draws_random = True  # the leverage part's sketch, at every event
+    draws_per_row = True
 
     def __init__(self, rope: Rotary | None, sinks_start: int = 8, sinks_end: int = 4, chunk: int = 256,
                  sketch: int = 48, blending: float | None = None, window: int | None = 256):

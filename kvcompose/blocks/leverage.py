@@ -13,7 +13,8 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from ..scorers import Scorer
-from ..view import KVComposeError, LayerView
+from ..seeding import draw
+from ..view import KVComposeError, LayerView, RowGenerators
 from ._util import row_zscore
 from .rotary import Rotary
 
@@ -32,13 +33,12 @@ def _chol_with_jitter(g: Float[Tensor, "*B K K"], jitter: float = 1e-2, tries: i
 
 
 def leverage_scores(keys: Float[Tensor, "B H T D"], valid: Bool[Tensor, "B H T"], sketch: int,
-                    generator: torch.Generator | None) -> Float[Tensor, "B H T"]:
+                    generator: torch.Generator | RowGenerators | None) -> Float[Tensor, "B H T"]:
     """`diag(X (X^T X)^-1 X^T)` of the centred keys `X` (over the real tokens) after a right Gaussian sketch
     `D x sketch` (N(0, 1/sketch), one per row and head, from `generator`), through a Cholesky solve with
     jitter 1e-2 (as kvpress); 0 for padding."""
     b, h, t, d = keys.shape
-    dev = generator.device if generator is not None else keys.device
-    phi = torch.randn(b, h, d, sketch, generator=generator, device=dev).to(keys.device) * (1 / math.sqrt(sketch))
+    phi = draw(torch.randn, (b, h, d, sketch), generator, keys.device) * (1 / math.sqrt(sketch))
     m = valid[..., None].float()
     mean = (keys * m).sum(2, keepdim=True) / m.sum(2, keepdim=True).clamp(min=1)
     x = ((keys - mean) * m) @ phi  # [B, H, T, k]; padding rows are zero and add nothing to X^T X
@@ -68,6 +68,7 @@ class LeverageScore(Scorer):
     """
 
     draws_random = True  # the sketch, at every event
+    draws_per_row = True
 
     def __init__(self, rope: Rotary | None, sketch: int = 48):
         if rope is not None and not isinstance(rope, Rotary):

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ...pipeline import Pipeline
-from ...view import FAR_POSITION, KVComposeError, LayerSpec, LayerView
+from ...view import FAR_POSITION, KVComposeError, LayerSpec, LayerView, RowGenerators
 from .rules import Settings, event_due, kept_row, layer_seed
 
 __all__ = ["PagedLayout", "RequestState", "Runtime", "StepPlan", "Stats"]
@@ -465,15 +465,20 @@ class Runtime:
     def _group_key(self, st: RequestState, n_computed: int) -> tuple:
         """Requests whose events can run as rows of one `LayerView`: the same pipeline (its pickle), budget and
         window, the same decoded count (so one `prompt_length` marks every row's prompt once the rows are aligned
-        on their last token), event count and queries in the ring; a pipeline that draws random numbers or keeps
-        state runs alone (each request has its own generators and states)."""
+        on their last token), event count and queries in the ring. A pipeline that draws random numbers groups
+        rows of the same held count when every drawing block draws per row (`Pipeline.draws_per_row`): each row
+        draws from its own generators (`RowGenerators`), what it draws alone. A pipeline that keeps state, draws
+        otherwise or has per-layer budgets runs alone."""
         s = st.settings
         if st.key is None:
             spec = LayerSpec(0, self.L, 1, self.Hg, self.D, self.D, self.device, self.dtype)
-            alone = s.per_layer or s.pipeline.draws_random or any(x is not None for x in s.pipeline.init(spec))
-            st.key = (pickle.dumps(s.pipeline), alone)
+            p = s.pipeline
+            alone = (s.per_layer or (p.draws_random and not p.draws_per_row)
+                     or any(x is not None for x in p.init(spec)))
+            st.key = (pickle.dumps(p), alone, p.draws_random)
         w = min(st.ring_n, s.query_window) if st.slot is not None else 0
-        return (st.key[0], s.budget, n_computed - st.prompt_len, st.events, w, id(st) if st.key[1] else None)
+        return (st.key[0], s.budget, n_computed - st.prompt_len, st.events, w, st.held if st.key[2] else None,
+                id(st) if st.key[1] else None)
 
     def compress_many(self, items: list[tuple[str, RequestState, int, list[int]]], kv_caches: list[Tensor]
                       ) -> dict[str, list[int] | BaseException]:
@@ -684,7 +689,8 @@ class Runtime:
                 kept, keys, values, state = self._select_layer(
                     i, pipe, keys, values, B, ring_idx, shift[0], sts[0].states[i] if alone else None,
                     positions=vpos, valid=valid, prompt_length=sts[0].prompt_len + C - seen[0], seen=C,
-                    generator=sts[0].gens[i], event=sts[0].events, cache_budget=B, padding=shift if padded else None)
+                    generator=sts[0].gens[i] if alone else RowGenerators(st.gens[i] for st in sts),
+                    event=sts[0].events, cache_budget=B, padding=shift if padded else None)
                 if alone:
                     sts[0].states[i] = state
                 bad |= (kept < 0).any()
