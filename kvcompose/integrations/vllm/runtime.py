@@ -115,25 +115,26 @@ class PagedLayout:
         return out[0], out[1]
 
     def store_blocks(self, kv: Tensor, blocks: Tensor, keys: Tensor, values: Tensor) -> bool:
-        """Write whole blocks (`keys`, `values`: `[m, H, block_size, D]`) in place, one contiguous row per
-        block; False (nothing written) when the cache is not contiguous (then `scatter` by slots)."""
+        """Write whole blocks in place, one contiguous row per block (`keys`, `values`: `[..., H, block_size, D]`,
+        any strides, their leading axes flattening to the `m` blocks in order); False (nothing written) when the
+        cache is not contiguous (then `scatter` by slots). Each block's row is laid out in one buffer, each part
+        copied (and cast) into it once."""
         self._check(kv)
         if not self.by_blocks(kv):
             return False
-        m, H = blocks.shape[0], kv.shape[1]
-        keys, values = keys.to(kv.dtype), values.to(kv.dtype)
-        if self.kmap is None:
-            x = torch.cat([keys, values], dim=-1)
+        m, H, bs, D = blocks.shape[0], kv.shape[1], self.bs, self.D
+        x = torch.empty(*keys.shape[:-3], H, 2 * bs * D, dtype=kv.dtype, device=kv.device)
+        if self.kmap is None:  # [.., slot, k | v]: one concatenation of the (strided) parts
+            x = torch.cat([keys.to(kv.dtype), values.to(kv.dtype)], dim=-1).flatten(-2)
         else:
-            parts = []
-            for part, kind in zip((keys, values), self._kinds()):
+            n = bs * D
+            for part, kind, dst in zip((keys, values), self._kinds(), (x[..., :n], x[..., n:])):
                 if kind == "rows":
-                    parts.append(part.reshape(m, H, -1))
+                    dst.unflatten(-1, (bs, D)).copy_(part)
                 else:  # "cols" (`by_blocks`)
-                    parts.append(part.transpose(-1, -2).reshape(m, H, -1))
-            x = torch.cat(parts, dim=-1)
+                    dst.unflatten(-1, (D, bs)).copy_(part.transpose(-1, -2))
         rows = kv.view(kv.shape[0], -1)
-        _bits(rows).index_copy_(0, blocks, _bits(x.reshape(m, -1)))
+        _bits(rows).index_copy_(0, blocks, _bits(x.view(m, -1)))
         return True
 
     @staticmethod
@@ -153,6 +154,20 @@ class PagedLayout:
         flat = self._flat(kv)
         flat.index_copy_(0, ki.reshape(-1), keys.reshape(-1).to(flat.dtype))
         flat.index_copy_(0, vi.reshape(-1), values.reshape(-1).to(flat.dtype))
+
+
+def _pick(x: Tensor, own: Tensor) -> Tensor:
+    """`[n, H, B, D]`: `x[r, h, own[r, h, b]]` of `x` `[n, H, T, D]` (the held tokens, often a slice of a wider
+    buffer), one `index_select` over the D-wide rows of its storage: no copy of what is held (a gather along T
+    is slower on CPU, a reshape of a slice copies it)."""
+    n, H, B = own.shape
+    D = x.shape[-1]
+    if x.stride(-1) != 1 or x.stride(-2) != D or x.stride(0) % D or x.stride(1) % D:
+        x = x.contiguous()
+    s0, s1 = x.stride(0) // D, x.stride(1) // D
+    rows = (torch.arange(n, device=x.device) * s0).view(n, 1, 1) + (torch.arange(H, device=x.device) * s1).view(1, H, 1) + own
+    span = (n - 1) * s0 + (H - 1) * s1 + x.shape[2]  # rows of D elements from x's first one to its last
+    return x.as_strided((span, D), (D, 1)).index_select(0, rows.reshape(-1)).view(n, H, B, D)
 
 
 class _GroupIO:
@@ -187,7 +202,7 @@ class _GroupIO:
         """`keys`, `values`: `[n, H, B, D]`, the kept tokens in order (they fill the leading blocks exactly)."""
         n, H, B, D, bs = self.n, self.H, self.B, self.D, self.layout.bs
         lead = B // bs
-        k, v = (x.reshape(n, H, lead, bs, D).transpose(1, 2).reshape(n * lead, H, bs, D) for x in (keys, values))
+        k, v = (x.reshape(n, H, lead, bs, D).transpose(1, 2) for x in (keys, values))  # [n, lead, H, bs, D] views
         if self.layout.store_blocks(kv, self.lead, k, v):
             return
         if self._dst is None:
@@ -696,9 +711,7 @@ class Runtime:
                 bad |= (kept < 0).any()
                 kc = kept.clamp(min=0)
                 own = kc[:, self.heads] if tp else kc
-                rows = ((torch.arange(n * H, device=dev) * T).view(n, H, 1) + own).reshape(-1)
-                new_k = keys.reshape(n * H * T, D).index_select(0, rows).view(n, H, B, D)
-                new_v = values.reshape(n * H * T, D).index_select(0, rows).view(n, H, B, D)
+                new_k, new_v = _pick(keys, own), _pick(values, own)
                 written = True
                 io.store(kv_caches[i], new_k, new_v)
                 kept_pos[:, i] = pos.gather(2, kc)
