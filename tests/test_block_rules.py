@@ -251,6 +251,31 @@ def test_every_block_declares_its_draws(name):
                                         f"generator, but draws_random is {pipe.draws_random}")
 
 
+@pytest.mark.parametrize("name", sorted(BLOCK_PIPELINES))
+def test_every_block_that_draws_per_row_draws_for_each_row_what_it_draws_alone(name):
+    """`draws_per_row` (the vLLM route groups requests on it): with one generator per row (`RowGenerators`), a view
+    of 3 rows keeps for each row what the row alone keeps with its own generator. A pipeline that draws otherwise
+    must not declare it; one that draws nothing has nothing to promise."""
+    from kvcompose.view import RowGenerators
+
+    pipe = BLOCK_PIPELINES[name]()
+    if not (pipe.draws_random and pipe.draws_per_row):
+        return
+    view = replace(random_view(b=3, h=2, t=40, d=16, g=2, w=8, prompt=10, seed=5, layer_idx=1, cache_budget=16),
+                   num_layers=2)
+    gens = lambda: [torch.Generator().manual_seed(40 + r) for r in range(3)]  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        together, _ = pipe.select(replace(view, generator=RowGenerators(gens())), 16)
+        for r, g in enumerate(gens()):
+            cut = {f: getattr(view, f)[r:r + 1] for f in ("keys", "values", "positions", "valid", "queries",
+                                                          "query_valid")}
+            alone, _ = pipe.select(replace(view, generator=g, **cut), 16)
+            assert torch.equal(together.kept[r], alone.kept[0]), (name, r)
+            if together.values is not None:
+                assert torch.equal(together.values[r], alone.values[0]), (name, r)
+
+
 # ------------------------------------------------------------------------------------------------ padded rows
 def _pad_row(alone, pad: int, seed: int, slots: bool):
     """A batch of two rows whose row 0 is `alone`'s row with `pad` tokens of left padding: with `slots`, the padding

@@ -216,7 +216,7 @@ def window_attention_scores(
     H, T = keys.shape[1], keys.shape[2]
     G = Hq // H
     q = queries.float().reshape(B, H, G, W, D)
-    logits = torch.einsum("bhgwd,bhtd->bhgwt", q, keys.float()) * scale
+    logits = torch.einsum("bhgwd,bhtd->bhgwt", q, keys.float()).mul_(scale)  # in place: one [B,H,G,W,T] buffer
     key_ok = key_valid if candidates is None else key_valid & candidates  # [B,H,T]
     allowed = (
         key_ok[:, :, None, :]
@@ -228,9 +228,9 @@ def window_attention_scores(
         p = torch.softmax(L, -1)
         p = torch.where(allowed, p, torch.zeros_like(p))  # fully masked rows: NaN -> 0
     else:
-        a = allowed[:, :, None]
-        p = torch.softmax(logits.masked_fill(~a, float("-inf")), -1)
-        p = torch.where(a, p, torch.zeros_like(p)).mean(2)
+        na = ~allowed[:, :, None]
+        p = torch.softmax(logits.masked_fill_(na, float("-inf")), -1)
+        p = p.masked_fill_(na, 0.0).mean(2)  # fully masked rows: NaN -> 0
     s = (p * query_weights(query_valid)[:, None, :, None]).sum(2)  # mean over valid queries
     return pool_scores(s, key_ok, pool, kernel)
 

@@ -223,6 +223,48 @@ def test_key_redundancy_reference_equals_its_masked_form_bit_for_bit(thr, chunk)
         assert torch.equal(K.ref.key_redundancy(keys, valid, thr, chunk=chunk), want), (dtype, dup)
 
 
+def _masked_window_scores(queries, keys, key_pos, key_valid, query_pos, query_valid, scale, gqa, cand, pool, kernel):
+    """The window-score reference as first written (fresh buffers for the scaled logits, the mask and the zeroing),
+    the oracle of the in-place version, which must equal it bit for bit."""
+    B, Hq, W, D = queries.shape
+    H = keys.shape[1]
+    q = queries.float().reshape(B, H, Hq // H, W, D)
+    logits = torch.einsum("bhgwd,bhtd->bhgwt", q, keys.float()) * scale
+    key_ok = key_valid if cand is None else key_valid & cand
+    allowed = (key_ok[:, :, None, :] & (key_pos[:, :, None, :] <= query_pos[None, None, :, None])
+               & query_valid[:, None, :, None])
+    if gqa == "max":
+        L = logits.amax(2).masked_fill(~allowed, float("-inf"))
+        p = torch.where(allowed, torch.softmax(L, -1), torch.zeros_like(L))
+    else:
+        a = allowed[:, :, None]
+        p = torch.softmax(logits.masked_fill(~a, float("-inf")), -1)
+        p = torch.where(a, p, torch.zeros_like(p)).mean(2)
+    s = (p * K.ref.query_weights(query_valid)[:, None, :, None]).sum(2)
+    return K.ref.pool_scores(s, key_ok, pool, kernel)
+
+
+@pytest.mark.parametrize("gqa", ["mean", "max"])
+@pytest.mark.parametrize("pool,kernel", [("none", 1), ("avg", 5), ("max", 3)])
+def test_window_scores_reference_equals_its_masked_form_bit_for_bit(gqa, pool, kernel):
+    g = torch.Generator().manual_seed(11)
+    for trial in range(12):
+        B, H, G, W, T, D = 2, 2, 1 + trial % 3, 1 + 3 * trial, 5 + 6 * trial, 8
+        dtype = torch.bfloat16 if trial % 4 == 0 else torch.float32
+        q = torch.randn(B, H * G, W, D, generator=g).to(dtype)
+        k = torch.randn(B, H, T, D, generator=g).to(dtype)
+        kpos = torch.sort(torch.randint(0, 90, (B, H, T), generator=g), -1).values
+        kv = torch.rand(B, H, T, generator=g) < 0.8
+        qpos = torch.sort(torch.randint(0, 90, (W,), generator=g)).values
+        qv = torch.rand(B, W, generator=g) < (0.0 if trial == 5 else 0.8)  # trial 5: every query masked
+        cand = (torch.rand(B, H, T, generator=g) < 0.7) if trial % 2 else None
+        args = [x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in (q, k, kpos, kv, qpos, qv)]
+        cand = None if cand is None else cand.to(DEVICE)
+        want = _masked_window_scores(*args, 0.3, gqa, cand, pool, kernel)
+        got = K.ref.window_attention_scores(*args, 0.3, gqa, cand, pool, kernel)
+        assert torch.equal(got, want), trial
+
+
 def test_key_redundancy_newest_duplicate_survives():
     """Three copies of one key (tokens 0, 2, 3): each row drops its newest duplicate, so
     the oldest copy counts as the most redundant and the newest as the least."""
