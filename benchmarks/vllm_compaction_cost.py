@@ -4,9 +4,12 @@
 and budget, and of one step's plan (`Runtime.plan`: physical positions, lengths and ring indices) for a batch.
 
     python benchmarks/vllm_compaction_cost.py
+    python benchmarks/vllm_compaction_cost.py --group 16 --budgets 256   # 16 requests due at one step
 
 One torch thread; the median of `--repeats` timings. Per decoded token, an event costs its time divided by
-the interval (every request compresses once per `interval` tokens).
+the interval (every request compresses once per `interval` tokens). With `--group N`, N requests of the same
+decoded count are due at one step and run through `Runtime.compress_many` (as rows of one `LayerView` where
+the pipeline allows): the figure is then per request and event.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--budgets", nargs="+", type=int, default=[256, 512])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch", type=int, default=64, help="requests in a planned step")
+    ap.add_argument("--group", type=int, default=1, help="requests due at one step, compressed together")
     args = ap.parse_args(argv)
 
     import torch
@@ -39,24 +43,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
             pipe = methods.PRESETS[name]()
             interval = pipe.interval or 64
             held = budget + interval
-            nb = held // bs + 2
-            kv = [torch.randn(nb, H, bs, 2 * D) for _ in range(L)]
-            rt = Runtime(num_layers=L, num_kv_heads=H, num_q_heads=Hq, head_dim=D, block_size=bs, device="cpu",
-                         dtype=torch.float32, scales=[D ** -0.5] * L, max_seqs=4, query_window=64,
-                         layout=PagedLayout("FLASH_ATTN", D, bs))
-            rt._ensure_ring()
+            n = args.group
+            per = -(-held // bs)  # blocks per request
+            kv = [torch.randn(n * per + 1, H, bs, 2 * D) for _ in range(L)]
             times = []
             for r in range(args.repeats + 1):
-                st = rt.add(f"r{r}", Settings(pipe, budget, interval, 0), 100)
-                st.slot, st.ring_n, st.ring_head = 0, 64, 0
-                st.held, st.last = held, 100 + held
-                c = st.last
+                rt = Runtime(num_layers=L, num_kv_heads=H, num_q_heads=Hq, head_dim=D, block_size=bs, device="cpu",
+                             dtype=torch.float32, scales=[D ** -0.5] * L, max_seqs=n, query_window=64,
+                             layout=PagedLayout("FLASH_ATTN", D, bs))
+                rt._ensure_ring()
+                items = []
+                for j in range(n):
+                    st = rt.add(f"r{j}", Settings(pipe, budget, interval, 0), 100)
+                    st.slot, st.ring_n, st.ring_head = j, 64, 0
+                    st.held, st.last = held, 100 + held
+                    items.append((f"r{j}", st, st.last, list(range(1 + j * per, 1 + (j + 1) * per))))
                 t0 = time.perf_counter()
-                rt.compress(f"r{r}", st, c, list(range(1, nb)), kv)
+                out = rt.compress_many(items, kv)
                 if r:
-                    times.append(time.perf_counter() - t0)
+                    times.append((time.perf_counter() - t0) / n)
+                bad = [v for v in out.values() if isinstance(v, BaseException)]
+                if bad:
+                    raise bad[0]
             ms = 1e3 * statistics.median(times)
-            rows.append({"preset": name, "budget": budget, "interval": interval, "held": held, "ms_per_event": ms,
+            rows.append({"preset": name, "budget": budget, "interval": interval, "held": held, "group": n,
+                         "ms_per_event": ms,
                          "us_per_token": 1e3 * ms / interval})
             print(f"{name:17s} budget {budget:4d} (held {held:4d}, interval {interval:3d}): {ms:7.1f} ms per event "
                   f"= {1e3 * ms / interval:6.1f} us per decoded token", flush=True)
