@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -133,6 +134,8 @@ def make_traces(
     batch_size: int = 8,
     system: str | None = None,
     progress: bool = False,
+    done: dict[int, list[Trace]] | None = None,
+    on_batch: Callable[[int, list[Trace]], None] | None = None,
 ) -> list[Trace]:
     """Full-cache reference traces of `new_tokens` tokens for each question (see the module docstring).
 
@@ -142,6 +145,10 @@ def make_traces(
             chained: the question's own, then others from `pool`, default `questions`; needs 'answer').
         repetition_guard: passed to `generate` for "sampled" and "greedy".
         batch_size: questions generated together (left padding); the seed is set once per batch.
+        done: traces of batches made before (batch index -> its traces, e.g. from a run that was stopped):
+            those batches are not generated again. Each batch draws from its own seed, so the result is the
+            same as one run's.
+        on_batch: called with (batch index, its traces) after each batch is generated (to save them).
     """
     if kind not in ("sampled", "greedy", "worked"):
         raise KVComposeError(f"kind must be 'sampled', 'greedy' or 'worked', got {kind!r}")
@@ -169,6 +176,12 @@ def make_traces(
     traces: list[Trace] = []
     batches = [list(range(s, min(s + batch_size, len(base)))) for s in range(0, len(base), batch_size)]
     for bi, idx in enumerate(tqdm(batches, desc=f"{kind} traces", disable=not progress, unit="batch")):
+        if done and bi in done:
+            got = done[bi]
+            if [t.id for t in got] != [base[i]["id"] for i in idx]:
+                raise KVComposeError(f"the saved traces of batch {bi} are of other questions than this run's")
+            traces += got
+            continue
         prompts = [base[i]["prompt_ids"] for i in idx]
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
@@ -181,8 +194,10 @@ def make_traces(
         else:
             gen_kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         out = model.generate(input_ids=ids, attention_mask=mask, **gen_kw)
-        for row, i in enumerate(idx):
-            traces.append(Trace(trace_ids=out[row, width:].tolist(), **base[i]))
+        made = [Trace(trace_ids=out[row, width:].tolist(), **base[i]) for row, i in enumerate(idx)]
+        if on_batch is not None:
+            on_batch(bi, made)
+        traces += made
     return traces
 
 

@@ -288,3 +288,42 @@ def test_reference_files_keep_their_statistics(tmp_path):
     torch.save({k: d[k] for k in ("hidden", "nll", "recall")}, files[0])  # as an older run wrote it
     references_for(model, traces, tmp_path, "tiny", "float32", log=lambda *a: pytest.fail("recomputed"))
     assert "stats_expect" in torch.load(files[0], weights_only=True)
+
+
+def test_a_stopped_trace_run_resumes_at_its_next_batch(tiny_dir, grouped_questions, tmp_path, monkeypatch):
+    """Reference traces are saved batch by batch (`traces.partial.jsonl`): a run stopped in its second batch
+    generates only that batch when run again, and its traces equal an uninterrupted run's."""
+    import json
+
+    import transformers
+
+    real = transformers.GenerationMixin.generate
+    calls = []
+
+    def counting(self, *a, **k):
+        calls.append(1)
+        if stop_at and len(calls) == stop_at:
+            raise KeyboardInterrupt("stopped")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(transformers.GenerationMixin, "generate", counting)
+    args = ("--groups", "2", "--group-size", "2", "--methods")
+    stop_at = 0
+    assert _fid(tiny_dir, grouped_questions, tmp_path / "whole", *args) == 0
+    whole = json.loads((tmp_path / "whole" / "traces.json").read_text())["items"]
+    assert len(calls) == 2 and not (tmp_path / "whole" / "traces.partial.jsonl").exists()
+
+    calls.clear()
+    stop_at = 2
+    with pytest.raises(KeyboardInterrupt):
+        _fid(tiny_dir, grouped_questions, tmp_path / "stopped", *args)
+    partial = tmp_path / "stopped" / "traces.partial.jsonl"
+    assert len(partial.read_text().splitlines()) == 1  # the first batch
+    partial.write_text(partial.read_text() + '{"key": "torn')  # and a line torn by the stop
+    calls.clear()
+    stop_at = 0
+    assert _fid(tiny_dir, grouped_questions, tmp_path / "stopped", *args) == 0
+    assert len(calls) == 1  # the second batch only
+    again = json.loads((tmp_path / "stopped" / "traces.json").read_text())["items"]
+    assert [(t["id"], t["trace_ids"]) for t in again] == [(t["id"], t["trace_ids"]) for t in whole]
+    assert not partial.exists()

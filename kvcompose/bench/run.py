@@ -222,6 +222,33 @@ def select_prompt_groups(tok, path: str, n_groups: int = 4, group_size: int = 8,
     return [q for n in done for q in groups[n]]
 
 
+class _TracePartial:
+    """The batches of reference traces made so far (`traces.partial.jsonl` in the output folder, one line per
+    batch), so a run stopped while generating resumes at its next batch: a batch's line is used again only when
+    the settings that made it (`key`: model, tokens, seed, sampling, repetition guard, batch size) are this run's
+    and its questions are the batch's (checked by `make_traces`); a torn last line is ignored."""
+
+    def __init__(self, path: Path, settings: dict[str, Any]):
+        self.path, self.key = path, json.dumps(settings, sort_keys=True)
+
+    def done(self, kind: str) -> dict[int, list[Trace]]:
+        got: dict[int, list[Trace]] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if d.get("key") == self.key and d.get("kind") == kind:
+                    got[int(d["batch"])] = [Trace.from_dict(t) for t in d["items"]]
+        return got
+
+    def add(self, kind: str, batch: int, traces: list[Trace]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"key": self.key, "kind": kind, "batch": batch,
+                                "items": [t.to_dict() for t in traces]}) + "\n")
+
+
 def _start_kvpress(cfg: FidelityConfig, traces: list[Trace], model_name: str, out: Path, log) -> dict[str, Any]:
     from . import kvpress
 
@@ -418,14 +445,24 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
         log(f"reusing {len(traces)} traces from {cfg.traces}" + (f" ({len(cut)} cut to their first {cfg.new_tokens} "
                                                                  "tokens)" if cut else ""))
     else:
+        bsz = cfg.group_size if cfg.groups else 8
+        partial = _TracePartial(out / "traces.partial.jsonl", dict(
+            model=model_name, new_tokens=cfg.new_tokens, seed=cfg.seed, temperature=cfg.temperature,
+            top_p=cfg.top_p, guard=[cfg.repetition_penalty, cfg.no_repeat_ngram_size], batch_size=bsz))
         for kind in cfg.kinds:
+            done = partial.done(kind)
+            if done:
+                log(f"{kind} traces: {len(done)} batches from {partial.path.name} (a stopped run), not generated again")
             traces += make_traces(model, tok, questions, new_tokens=cfg.new_tokens, kind=kind, seed=cfg.seed,
                                   temperature=cfg.temperature, top_p=cfg.top_p, repetition_guard=guard, pool=pool,
-                                  batch_size=cfg.group_size if cfg.groups else 8, progress=True)
+                                  batch_size=bsz, progress=True, done=done,
+                                  on_batch=lambda bi, made, k=kind: partial.add(k, bi, made))
     trace_seconds = time.perf_counter() - t0
     if not cfg.traces or not (out / "traces.json").exists():
         (out / "traces.json").write_text(json.dumps(
             {"model": model_name, "items": [t.to_dict() | {"text": tok.decode(t.trace_ids)} for t in traces]}, indent=1))
+        if not cfg.traces:
+            partial.path.unlink(missing_ok=True)
     log(f"{len(traces)} traces of {max((len(t.trace_ids) for t in traces), default=0)} tokens in "
         f"{trace_seconds:.0f}s -> {out / 'traces.json'}")
 
