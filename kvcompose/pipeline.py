@@ -206,15 +206,20 @@ class Pipeline:
     def draws_random(self) -> bool:
         """True when some block draws from the layer's seeded generator at an event (the cache's `seed` then
         matters). A merger runs on the tokens that leave for good, so it draws only with a tier that evicts."""
-        merging = self.merger is not None and self.tier.evicts
-        skip = set() if merging or self.merger is None else {id(self.merger), *map(id, self._leaves_of(self._merger_index))}
-        return any(b.draws_random for b in (*self.leaves, *self.parts, self.tier) if id(b) not in skip)
+        return bool(self._drawing())
 
     @property
     def draws_per_row(self) -> bool:
         """True when every block that draws declares `draws_per_row` (its draws lead with the view's rows), so
         rows of separate requests can run in one view, each drawing from its own generator (`RowGenerators`)."""
-        return all(b.draws_per_row for b in (*self.leaves, *self.parts, self.tier) if b.draws_random)
+        return all(b.draws_per_row for b in self._drawing())
+
+    def _drawing(self) -> list[Block]:
+        """The blocks that draw at an event (a merger only with a tier that evicts: it runs on the tokens that
+        leave for good)."""
+        merging = self.merger is not None and self.tier.evicts
+        skip = set() if merging or self.merger is None else {id(self.merger), *map(id, self._leaves_of(self._merger_index))}
+        return [b for b in (*self.leaves, *self.parts, self.tier) if id(b) not in skip and b.draws_random]
 
     def _leaves_of(self, idx: Any) -> list[Block]:
         """The leaves of a part, from its index tree."""

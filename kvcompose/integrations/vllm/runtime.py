@@ -117,16 +117,16 @@ class PagedLayout:
     def store_blocks(self, kv: Tensor, blocks: Tensor, keys: Tensor, values: Tensor) -> bool:
         """Write whole blocks in place, one contiguous row per block (`keys`, `values`: `[..., H, block_size, D]`,
         any strides, their leading axes flattening to the `m` blocks in order); False (nothing written) when the
-        cache is not contiguous (then `scatter` by slots). Each block's row is laid out in one buffer, each part
-        copied (and cast) into it once."""
+        cache is not contiguous (then `scatter` by slots). The blocks' rows are laid out in one buffer, from the
+        strided parts directly (no contiguous copy of them first)."""
         self._check(kv)
         if not self.by_blocks(kv):
             return False
         m, H, bs, D = blocks.shape[0], kv.shape[1], self.bs, self.D
-        x = torch.empty(*keys.shape[:-3], H, 2 * bs * D, dtype=kv.dtype, device=kv.device)
         if self.kmap is None:  # [.., slot, k | v]: one concatenation of the (strided) parts
             x = torch.cat([keys.to(kv.dtype), values.to(kv.dtype)], dim=-1).flatten(-2)
         else:
+            x = torch.empty(*keys.shape[:-3], H, 2 * bs * D, dtype=kv.dtype, device=kv.device)
             n = bs * D
             for part, kind, dst in zip((keys, values), self._kinds(), (x[..., :n], x[..., n:])):
                 if kind == "rows":
