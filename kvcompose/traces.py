@@ -178,7 +178,7 @@ def make_traces(
     for bi, idx in enumerate(tqdm(batches, desc=f"{kind} traces", disable=not progress, unit="batch")):
         if done and bi in done:
             got = done[bi]
-            if [t.id for t in got] != [base[i]["id"] for i in idx]:
+            if [(t.id, t.question) for t in got] != [(base[i]["id"], base[i]["question"]) for i in idx]:
                 raise KVComposeError(f"the saved traces of batch {bi} are of other questions than this run's")
             traces += got
             continue
