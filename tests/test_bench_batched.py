@@ -327,3 +327,16 @@ def test_a_stopped_trace_run_resumes_at_its_next_batch(tiny_dir, grouped_questio
     again = json.loads((tmp_path / "stopped" / "traces.json").read_text())["items"]
     assert [(t["id"], t["trace_ids"]) for t in again] == [(t["id"], t["trace_ids"]) for t in whole]
     assert not partial.exists()
+
+
+def test_saved_traces_of_other_questions_are_refused():
+    from kvcompose.testing import tiny_chat_model
+    from kvcompose.traces import Trace, make_traces
+    from kvcompose.view import KVComposeError
+
+    model, tok = tiny_chat_model()
+    qs = [{"question": "Ann has 2 pens?", "id": 0}, {"question": "Bob has 3 cups?", "id": 1}]
+    other = Trace(id="0/sampled", prompt_ids=[1, 2], question="Cy has 4 cats?", answer=None, kind="sampled",
+                  trace_ids=[5, 6])
+    with pytest.raises(KVComposeError, match="other questions"):
+        make_traces(model, tok, qs, new_tokens=4, batch_size=1, done={0: [other]})
