@@ -691,7 +691,7 @@ class Runtime:
                        positions, vpositions, kept_pos) -> None:
         """The per-layer part of `_compress_group` (one `Pipeline.select` per layer for the group's rows). An
         exception carries `kvc_written`: whether the cache was written (if not, the requests can run alone)."""
-        dev, D, H, L = self.device, self.D, self.H, self.L
+        dev, L = self.device, self.L
         tp = self.tp_size > 1
         n = len(group)
         alone = n == 1
