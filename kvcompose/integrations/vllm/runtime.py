@@ -31,6 +31,18 @@ def _bits(x: Tensor) -> Tensor:
     return x.view(torch.int16) if x.dtype in (torch.bfloat16, torch.float16) else x
 
 
+def _words(x: Tensor) -> Tensor:
+    """Rows (the last axis) seen as 8-byte words when their bytes allow (the same bits; whole rows moved by
+    index are about 1.5x faster in int64 than in int16 or float32 on CPU), else `_bits(x)`. `.view(dtype)`
+    turns a result back."""
+    if x.element_size() < 8 and x.shape[-1] * x.element_size() % 8 == 0:
+        try:
+            return x.view(torch.int64)
+        except RuntimeError:  # a stride or offset that is not whole words
+            pass
+    return _bits(x)
+
+
 class PagedLayout:
     """Where one layer's vLLM KV-cache tensor keeps the key and the value of (block, KV head, slot):
     `gather(kv, blk, off) -> (keys, values)` of shape `[H, n, D]` for the slots `(blk[i], off[i])`, and
@@ -93,50 +105,6 @@ class PagedLayout:
         out in rows or columns (any other permutation is moved slot by slot, by index: faster on CPU)."""
         return kv.is_contiguous() and (self.kmap is None or "perm" not in self._kinds())
 
-    def load_blocks(self, kv: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor] | None:
-        """Keys and values of whole blocks, `[m, H, block_size, D]` each, read block by block (one contiguous
-        row of the cache per block: a fast `index_select`), or None when the cache is not contiguous (then
-        `gather` by slots)."""
-        self._check(kv)
-        if not self.by_blocks(kv):
-            return None
-        m, H, bs, D = blocks.shape[0], kv.shape[1], self.bs, self.D
-        x = kv.view(kv.shape[0], -1).index_select(0, blocks).view(m, H, 2 * bs * D)
-        if self.kmap is None:  # [.., slot, k | v]
-            x = x.view(m, H, bs, 2 * D)
-            return x[..., :D], x[..., D:]
-        n = bs * D
-        out = []
-        for part, kind in zip((x[..., :n], x[..., n:]), self._kinds()):
-            if kind == "rows":
-                out.append(part.view(m, H, bs, D))
-            else:  # "cols" (`by_blocks`)
-                out.append(part.view(m, H, D, bs).transpose(-1, -2))
-        return out[0], out[1]
-
-    def store_blocks(self, kv: Tensor, blocks: Tensor, keys: Tensor, values: Tensor) -> bool:
-        """Write whole blocks in place, one contiguous row per block (`keys`, `values`: `[..., H, block_size, D]`,
-        any strides, their leading axes flattening to the `m` blocks in order); False (nothing written) when the
-        cache is not contiguous (then `scatter` by slots). The blocks' rows are laid out in one buffer, from the
-        strided parts directly (no contiguous copy of them first)."""
-        self._check(kv)
-        if not self.by_blocks(kv):
-            return False
-        m, H, bs, D = blocks.shape[0], kv.shape[1], self.bs, self.D
-        if self.kmap is None:  # [.., slot, k | v]: one concatenation of the (strided) parts
-            x = torch.cat([keys.to(kv.dtype), values.to(kv.dtype)], dim=-1).flatten(-2)
-        else:
-            x = torch.empty(*keys.shape[:-3], H, 2 * bs * D, dtype=kv.dtype, device=kv.device)
-            n = bs * D
-            for part, kind, dst in zip((keys, values), self._kinds(), (x[..., :n], x[..., n:])):
-                if kind == "rows":
-                    dst.unflatten(-1, (bs, D)).copy_(part)
-                else:  # "cols" (`by_blocks`)
-                    dst.unflatten(-1, (D, bs)).copy_(part.transpose(-1, -2))
-        rows = kv.view(kv.shape[0], -1)
-        _bits(rows).index_copy_(0, blocks, _bits(x.view(m, -1)))
-        return True
-
     @staticmethod
     def _flat(kv: Tensor) -> Tensor:
         return kv.as_strided((kv.untyped_storage().nbytes() // kv.element_size() - kv.storage_offset(),), (1,),
@@ -156,23 +124,36 @@ class PagedLayout:
         flat.index_copy_(0, vi.reshape(-1), values.reshape(-1).to(flat.dtype))
 
 
-def _pick(x: Tensor, own: Tensor) -> Tensor:
-    """`[n, H, B, D]`: `x[r, h, own[r, h, b]]` of `x` `[n, H, T, D]` (the held tokens, often a slice of a wider
-    buffer), one `index_select` over the D-wide rows of its storage: no copy of what is held (a gather along T
-    is slower on CPU, a reshape of a slice copies it)."""
+def _pick(x: Tensor, own: Tensor, bs: int | None = None) -> Tensor:
+    """`[n, H, B, D]`: `x[r, h, own[r, h, b]]` of `x` `[n, H, T, D]` (the held tokens, often a slice or a strided
+    view of a wider buffer), one `index_select` over the D-wide rows of its storage: no copy of what is held (a
+    gather along T is slower on CPU, a reshape of a slice copies it). With `bs`, the picked rows come in block
+    order instead, `[n, B // bs, H, bs, D]` (a paged cache's `[block, head, slot]`), contiguous."""
     n, H, B = own.shape
     D = x.shape[-1]
-    if x.stride(-1) != 1 or x.stride(-2) != D or x.stride(0) % D or x.stride(1) % D:
+    if x.stride(-1) != 1 or any(st % D for st in x.stride()[:-1]):
         x = x.contiguous()
-    s0, s1 = x.stride(0) // D, x.stride(1) // D
-    rows = (torch.arange(n, device=x.device) * s0).view(n, 1, 1) + (torch.arange(H, device=x.device) * s1).view(1, H, 1) + own
-    span = (n - 1) * s0 + (H - 1) * s1 + x.shape[2]  # rows of D elements from x's first one to its last
-    return x.as_strided((span, D), (D, 1)).index_select(0, rows.reshape(-1)).view(n, H, B, D)
+    s0, s1, s2 = (st // D for st in x.stride()[:-1])
+    dev = x.device
+    rows = (torch.arange(n, device=dev) * s0).view(n, 1, 1) + (torch.arange(H, device=dev) * s1).view(1, H, 1) + own * s2
+    if bs is not None:
+        rows = rows.view(n, H, B // bs, bs).transpose(1, 2)
+    span = (n - 1) * s0 + (H - 1) * s1 + (x.shape[2] - 1) * s2 + 1  # rows of D elements from x's first to its last
+    out = _words(x.as_strided((span, D), (D, 1))).index_select(0, rows.reshape(-1)).view(x.dtype)
+    return out.view(n, H, B, D) if bs is None else out.view(n, B // bs, H, bs, D)
 
 
 class _GroupIO:
     """Reads the held keys and values of a group's rows and writes their kept ones, per layer: whole blocks when
-    the cache is contiguous (`PagedLayout.load_blocks` / `store_blocks`: one row per block), else slot by slot.
+    the cache is contiguous, else slot by slot.
+
+    Whole blocks: each (block, KV head) of a contiguous cache is one run of memory (`FLASH_ATTN`: `[block_size,
+    2 * D]`, key and value side by side; `CPU_ATTN`: a key region and a value region of `block_size * D`, each
+    in rows `[block_size, D]` or columns `[D, block_size]`). `load` reads them in the order `[row, head, block]`
+    (one `index_select`), so a region in rows is already the `[n, H, T, D]` the `LayerView` takes (no copy; a
+    region in columns is transposed, and `FLASH_ATTN`'s key and value halves are made contiguous for the
+    scorers, which read strided halves slower). `store_kept` picks the kept tokens straight into the block order
+    of the destination and writes each region with one `index_copy_`. Whole rows move as 8-byte words.
 
     `blocks`: `[n, nbT]` each row's blocks covering `T` slots (padded with its first block); `blk`, `off`: `[n, T]`
     the block and offset of every slot (padded slots point at the row's first slot; they are masked)."""
@@ -181,15 +162,38 @@ class _GroupIO:
                  T: int, B: int, D: int):
         self.layout, self.blocks, self.blk, self.off = layout, blocks, blk, off
         self.n, self.H, self.T, self.B, self.D = n, H, T, B, D
-        self.lead = blocks[:, : B // layout.bs].reshape(-1)  # the blocks the kept tokens fill, whole
+        self.whole = layout.by_blocks(kv0)
+        bs, dev = layout.bs, blocks.device
+        h = torch.arange(H, device=dev)
+        self.parts = 1 if layout.kmap is None else 2  # runs of memory per (block, head)
+        lead = blocks[:, : B // bs]  # [n, B // bs]: the blocks the kept tokens fill, whole
+        # source runs in [row, head, block] order, destination runs in [row, block, head] order
+        self.src = (blocks[:, None, :] * H + h[None, :, None]) * self.parts  # [n, H, nbT]
+        self.dst = ((lead[:, :, None] * H + h[None, None, :]) * self.parts).reshape(-1)  # [n * lead * H]
+        self.kinds = ("pair",) if layout.kmap is None else layout._kinds() if self.whole else ()
         self._src = self._dst = None
+
+    def _runs(self, kv: Tensor) -> Tensor:
+        """The cache as its runs of memory, `[num_blocks * H * parts, run]`, as 8-byte words (`_words`)."""
+        return _words(kv.view(kv.shape[0] * self.H * self.parts, -1))
 
     def load(self, kv: Tensor) -> tuple[Tensor, Tensor]:
         n, H, T, D, bs = self.n, self.H, self.T, self.D, self.layout.bs
-        got = self.layout.load_blocks(kv, self.blocks.reshape(-1))
-        if got is not None:
-            nb = self.blocks.shape[1]
-            k, v = (x.view(n, nb, H, bs, D).transpose(1, 2).reshape(n, H, nb * bs, D)[:, :, :T] for x in got)
+        if self.whole:
+            self.layout._check(kv)
+            runs, nb = self._runs(kv), self.src.shape[-1]
+            if self.parts == 1:  # [.., slot, k | v]: one read, then each half contiguous (what scorers read fastest)
+                x = runs.index_select(0, self.src.reshape(-1)).view(kv.dtype).view(n, H, nb * bs, 2 * D)[:, :, :T]
+                k, v = x[..., :D].contiguous(), x[..., D:].contiguous()
+            else:
+                got = []
+                for part, kind in enumerate(self.kinds):
+                    x = runs.index_select(0, (self.src + part).reshape(-1)).view(kv.dtype)
+                    if kind == "rows":
+                        got.append(x.view(n, H, nb * bs, D)[:, :, :T])
+                    else:  # "cols"
+                        got.append(x.view(n, H, nb, D, bs).transpose(-1, -2).reshape(n, H, nb * bs, D)[:, :, :T])
+                k, v = got
             return k, v
         if self._src is None:
             src = self.layout.index(kv, self.blk.reshape(-1), self.off.reshape(-1))  # [H, n * T, D] each
@@ -198,19 +202,29 @@ class _GroupIO:
         return (flat.index_select(0, self._src[0]).view(n, H, T, D),
                 flat.index_select(0, self._src[1]).view(n, H, T, D))
 
-    def store(self, kv: Tensor, keys: Tensor, values: Tensor) -> None:
-        """`keys`, `values`: `[n, H, B, D]`, the kept tokens in order (they fill the leading blocks exactly)."""
+    def store_kept(self, kv: Tensor, own: Tensor, keys: Tensor, values: Tensor) -> None:
+        """Write the tokens `own` `[n, H, B]` (indices into T, per row and head) of `keys`, `values` `[n, H, T, D]`
+        into the leading slots of each row, in order (they fill the leading blocks exactly)."""
         n, H, B, D, bs = self.n, self.H, self.B, self.D, self.layout.bs
-        lead = B // bs
-        k, v = (x.reshape(n, H, lead, bs, D).transpose(1, 2) for x in (keys, values))  # [n, lead, H, bs, D] views
-        if self.layout.store_blocks(kv, self.lead, k, v):
+        if self.whole:
+            runs = self._runs(kv)
+            if self.parts == 1:
+                x = torch.cat([_pick(keys, own, bs), _pick(values, own, bs)], dim=-1)
+                runs.index_copy_(0, self.dst, x.to(kv.dtype).reshape(self.dst.shape[0], -1).view(runs.dtype))
+                return
+            for part, (kind, x) in enumerate(zip(self.kinds, (keys, values))):
+                picked = _pick(x, own, bs).to(kv.dtype)  # [n, lead, H, bs, D]
+                if kind == "cols":
+                    picked = picked.transpose(-1, -2)
+                runs.index_copy_(0, self.dst + part, picked.contiguous().view(self.dst.shape[0], -1).view(runs.dtype))
             return
+        new_k, new_v = _pick(keys, own), _pick(values, own)
         if self._dst is None:
             dst = self.layout.index(kv, self.blk[:, :B].reshape(-1), self.off[:, :B].reshape(-1))
             self._dst = tuple(x.view(H, n, B, D).transpose(0, 1).reshape(-1) for x in dst)
         flat = self.layout._flat(kv)
-        flat.index_copy_(0, self._dst[0], keys.reshape(-1).to(flat.dtype))
-        flat.index_copy_(0, self._dst[1], values.reshape(-1).to(flat.dtype))
+        flat.index_copy_(0, self._dst[0], new_k.reshape(-1).to(flat.dtype))
+        flat.index_copy_(0, self._dst[1], new_v.reshape(-1).to(flat.dtype))
 
 
 @dataclass
@@ -711,9 +725,8 @@ class Runtime:
                 bad |= (kept < 0).any()
                 kc = kept.clamp(min=0)
                 own = kc[:, self.heads] if tp else kc
-                new_k, new_v = _pick(keys, own), _pick(values, own)
                 written = True
-                io.store(kv_caches[i], new_k, new_v)
+                io.store_kept(kv_caches[i], own, keys, values)
                 kept_pos[:, i] = pos.gather(2, kc)
             if bool(bad):  # one host sync per group's event, not per layer
                 raise KVComposeError(f"{pipe!r} kept fewer than {B} tokens in some head (padded selection)")
