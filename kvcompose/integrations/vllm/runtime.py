@@ -160,7 +160,7 @@ class _GroupIO:
 
     def __init__(self, layout: PagedLayout, kv0: Tensor, blocks: Tensor, blk: Tensor, off: Tensor, n: int, H: int,
                  T: int, B: int, D: int):
-        self.layout, self.blocks, self.blk, self.off = layout, blocks, blk, off
+        self.layout, self.blk, self.off = layout, blk, off
         self.n, self.H, self.T, self.B, self.D = n, H, T, B, D
         self.whole = layout.by_blocks(kv0)
         bs, dev = layout.bs, blocks.device
@@ -170,7 +170,7 @@ class _GroupIO:
         # source runs in [row, head, block] order, destination runs in [row, block, head] order
         self.src = (blocks[:, None, :] * H + h[None, :, None]) * self.parts  # [n, H, nbT]
         self.dst = ((lead[:, :, None] * H + h[None, None, :]) * self.parts).reshape(-1)  # [n * lead * H]
-        self.kinds = ("pair",) if layout.kmap is None else layout._kinds() if self.whole else ()
+        self.kinds = layout._kinds() if self.whole and self.parts == 2 else ()  # CPU_ATTN: each region's order
         self._src = self._dst = None
 
     def _runs(self, kv: Tensor) -> Tensor:
