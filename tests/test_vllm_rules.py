@@ -243,6 +243,11 @@ def _runtime(L=2, H=2, Hq=4, D=8, bs=8, maps=None, window=16, dtype=torch.float3
                    dtype=dtype, scales=[D ** -0.5] * L, max_seqs=4, query_window=window, layout=layout)
 
 
+def _vec_maps(bs, D):
+    """The element maps of the CPU kernel's vec ISA: a block's keys transposed `[D, block_size]`, its values in rows."""
+    return torch.arange(bs * D).view(D, bs).t(), torch.arange(bs * D).view(bs, D)
+
+
 def _random_maps(bs, D, seed):
     g = torch.Generator().manual_seed(seed)
     return (torch.randperm(bs * D, generator=g).view(bs, D), torch.randperm(bs * D, generator=g).view(bs, D))
@@ -259,7 +264,7 @@ def test_runtime_packs_what_pipeline_select_keeps(preset, cpu_layout):
     L, H, Hq, D, bs, B, I = 2, 2, 4, 8, 8, 96, 32
     maps = None
     if cpu_layout == "vec":  # the CPU kernel's vec ISA: a block's keys transposed, its values in rows
-        maps = (torch.arange(bs * D).view(D, bs).t(), torch.arange(bs * D).view(bs, D))
+        maps = _vec_maps(bs, D)
     elif cpu_layout:  # any permutation the layout probe may measure
         maps = _random_maps(bs, D, 0)
     rt = _runtime(L, H, Hq, D, bs, maps, window=64)
@@ -390,9 +395,9 @@ def test_events_of_one_step_run_as_rows_and_equal_each_request_alone(preset, lay
     perm = torch.randperm(nb - 1, generator=g).add(1).tolist()
     rows = {r: perm[12 * j:12 * (j + 1)] for j, r in enumerate(prompts)}
     out = []
-    vec = (torch.arange(bs * D).view(D, bs).t(), torch.arange(bs * D).view(bs, D))
     for together in (True, False):
-        rt = _runtime(L, H, Hq, D, bs, vec if together and layout == "vec" else None, window=64, dtype=dtype)
+        rt = _runtime(L, H, Hq, D, bs, _vec_maps(bs, D) if together and layout == "vec" else None, window=64,
+                      dtype=dtype)
         # alone: a cache that is not contiguous, so the event reads and writes slot by slot instead of whole blocks
         kv = [torch.zeros(nb, H, bs, 2 * D, dtype=dtype) if together
               else torch.zeros(H, nb, bs, 2 * D, dtype=dtype).transpose(0, 1) for _ in range(L)]
