@@ -4,8 +4,9 @@
 vLLM gives every layer and KV head of a request the same block table (one KV-cache group), so a request holds,
 in every layer and head, the blocks of the largest budget any (layer, head) may keep: the scheduler frees by
 that count. Per-head budgets (`HeadUtility`: a floor per head, the rest of the layer's `H * b_l` moved to heads
-of high utility, decided from the data at each event) can reach `H * b_l - (H - 1) * floor_l` in one head, and
-the scheduler, which never sees the data, must reserve that bound. If vLLM gave each budget class its own
+of high utility, decided from the data at each event) can reach `H * b_l - (H - 1) * floor_l` in one head (a
+ragged selector, AdaKV's: the layer's total `H * b_l`), and the scheduler, which never sees the data, must
+reserve that bound (`rules.Settings.held_bound`). If vLLM gave each budget class its own
 blocks (a KV-cache group per layer, per-head block tables), a request would hold the sum of its classes'
 budgets, each rounded up to whole blocks. This prints, per method and mean budget, the tokens per KV head a
 request holds (summed over layers) in both cases, as ratios to the uniform budget `L * B` (block aligned). No
@@ -32,14 +33,15 @@ def classes(method: str, layers: int, heads: int, budget: int, block: int) -> di
     from kvcompose import methods
     from kvcompose.allocators.heads import HeadUtility
 
-    pipe = methods.PRESETS[method]() if method in methods.PRESETS else None
+    pipe = methods.preset(method)
     alloc = pipe.allocator
     lay = alloc.layers if isinstance(alloc, HeadUtility) else alloc
-    per_layer = [lay.layer_budget(i, layers, budget, None) for i in range(layers)] if lay is not None else [budget] * layers
-    if isinstance(alloc, HeadUtility):  # one head may take the layer's total less the other heads' floors
-        floor = alloc.floor if isinstance(alloc.floor, int) else [max(1, int(alloc.floor * b)) for b in per_layer]
-        floors = [floor] * layers if isinstance(floor, int) else floor
-        head_max = [heads * b - (heads - 1) * f for b, f in zip(per_layer, floors)]
+    per_layer = [lay.layer_budget(i, layers, budget, None) for i in range(layers)] if hasattr(lay, "layer_budget") \
+        else [budget] * layers
+    if pipe.selector is not None and pipe.selector.ragged:  # one head may take the layer's total
+        head_max = [heads * b for b in per_layer]
+    elif isinstance(alloc, HeadUtility):  # the layer's total less the other heads' floors (`head_bound`)
+        head_max = [alloc.head_bound(b, heads) for b in per_layer]
     else:
         head_max = per_layer
     uniform = layers * _up(budget, block)
@@ -58,7 +60,7 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=3, help="KV heads (SmolLM2-135M: 3)")
     ap.add_argument("--block", type=int, default=32, help="vLLM block size")
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
-    ap.add_argument("--methods", nargs="+", default=["pyramid_rkv", "reason_alloc"])
+    ap.add_argument("--methods", nargs="+", default=["pyramid_rkv", "reason_alloc", "adakv"])
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of the table")
     a = ap.parse_args(argv)
     rows = [classes(m, a.layers, a.heads, b, a.block) for m in a.methods for b in a.budgets]

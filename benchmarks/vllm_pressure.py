@@ -229,7 +229,12 @@ def run_engine(args, modes: list[str], tokens: int, engine: str) -> dict[str, di
         for b in batches:
             extra = None
             if engine == "kvcompose":
-                extra = request_kwargs(b["preset"], b["budget"], interval=b["interval"], block_size=BLOCK)
+                from kvcompose import methods
+
+                # a preset by name; another method of `methods.preset` (e.g. adakv) is sent as its pipeline
+                name = b["preset"]
+                method = name if name in methods.PRESETS else methods.preset(name)
+                extra = request_kwargs(method, b["budget"], interval=b["interval"], block_size=BLOCK)
                 llm.collective_rpc("kvcompose_stats", kwargs={"reset": True})
             sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=mode != "agree", extra_args=extra)
             rec = StepRecorder()

@@ -30,8 +30,12 @@ from kvcompose.integrations.vllm import engine_kwargs, request_kwargs  # noqa: E
 PRESETS = ["streaming_llm", "random_attention", "rkv", "vase", "snapkv", "tova", "knorm"]
 TINY = PRESETS + ["merging(snapkv)", "pyramid_rkv", "wave(rkv)"]  # a Merger: the packed values are the merged
 #   ones (sent as a Pipeline); per-layer budgets: each layer keeps its own count inside the blocks of the largest
-PER_LAYER = {"pyramid_rkv": 192, "wave(rkv)": 160}  # the blocks' bound at budget 96 on the tiny Llama (layers
-#   180, 96, 12; ReasonAlloc's layer profile: 60, 132, 96, capped at the tokens seen)
+HEADS = ["adakv", "heads(rkv)", "heads(wave(rkv))"]  # per-head counts: AdaKV's ragged selection, ReasonAlloc's
+#   head-wise allocator (HeadUtility) with uniform layers and with its layer profile
+PER_LAYER = {"pyramid_rkv": 192, "wave(rkv)": 160,  # the blocks' bound at budget 96 on the tiny Llama (layers
+#   180, 96, 12; ReasonAlloc's layer profile: 60, 132, 96, capped at the tokens seen); per head (2 KV heads): a
+#   ragged selector's layer total 2 * 96, HeadUtility's 2 * b - floor (168; 231 with the profile), whole blocks
+             "adakv": 192, "heads(rkv)": 192, "heads(wave(rkv))": 256}
 BLOCK = 32
 MARGIN = 1e-3  # nats: a flip of the argmax below this is a near-tie of two float32 engines
 ATOL = 2e-3  # nats: vLLM's logprob of its token against the reference's
@@ -142,6 +146,18 @@ def test_tiny_llama_every_preset_matches_kvcompose_cache(tiny):
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
     report = _check(model, llm, log, prompts, budget=96, interval=32, new_tokens=160, presets=TINY)
     assert set(report) == set(TINY)
+
+
+def test_tiny_llama_per_head_budgets_match_kvcompose_cache(tiny):
+    """KV heads that keep their own counts (AdaKV, ReasonAlloc's HeadUtility): each head's kept tokens packed
+    into its leading slots, the slots between them and the layer's newer tokens masked in kvcompose's own
+    attention for those rows; every token and logprob held to `KVComposeCache` (paged, ragged storage)."""
+    model, llm, log = tiny
+    g = torch.Generator().manual_seed(2)
+    lengths = [9, 47, 71, 101, 130]
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+    report = _check(model, llm, log, prompts, budget=96, interval=32, new_tokens=160, presets=HEADS)
+    assert set(report) == set(HEADS)
 
 
 def test_preempted_requests_are_recomputed_and_compressed_again(tiny):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from helpers import examples, rand_ids, tree_model
 from kvcompose import BlockGranular, HostTier, KeyNorm, KVComposeCache, Pipeline, RandomDrop, Scorer, TopK, methods
 from kvcompose.blocks.cur import CUR
-from kvcompose.allocators import SeenShare
+from kvcompose.allocators import SeenShare, Uniform
 from kvcompose.methods.reco import RewardAllocator
 from kvcompose.integrations.vllm import (CONFIG_KEY, decode_pipeline, engine_kwargs, event_due, request_kwargs,
                                          serve_args)
@@ -81,6 +81,12 @@ class _Rewards:
         return 0.5
 
 
+class _NoBound(Uniform):
+    """A head-wise allocator that states no bound on one head's count (`head_bound`)."""
+
+    uniform = False
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(pipeline="rkv", budget=500), r"budget=500 is not a whole number of vLLM blocks of 32 tokens.*480 or 512"),
     (dict(pipeline="rkv", budget=512, interval=100), r"interval=100 .*96 or 128"),
@@ -88,9 +94,7 @@ class _Rewards:
     (dict(pipeline="h2o", budget=512), r"observes every attention step"),
     (dict(pipeline=methods.with_tier(methods.vase(), HostTier()), budget=512), r"keeps evicted tokens in a tier"),
     (dict(pipeline="growpage", budget=512), r"own budgets"),
-    (dict(pipeline=methods.adakv(), budget=512), r"every KV head of a layer keeps the same number of tokens"),
-    (dict(pipeline=methods.reason_alloc(profile=None), budget=512), r"own budgets"),
-    (dict(pipeline=Pipeline(BlockGranular(RandomDrop(), 32)), budget=512), r"different counts per head"),
+    (dict(pipeline=methods.with_allocator(methods.rkv(), _NoBound()), budget=512), r"without a bound"),
     (dict(pipeline=Pipeline(KeyNorm(), TopK(), RewardAllocator(_Rewards())), budget=512),
      r"budgets that depend on what it observes while decoding"),  # ReCo's: rewards of the decoded text
     (dict(pipeline=methods.with_allocator(methods.rkv(), SeenShare(0.5)), budget=512), r"without one"),
@@ -103,6 +107,23 @@ class _Rewards:
 def test_refusals_name_the_problem(kw, match):
     with pytest.raises(KVComposeError, match=match):
         engine_kwargs(**kw)
+
+
+@pytest.mark.parametrize("make,top", [
+    (lambda: methods.adakv(), 3 * 256),  # a ragged selector: one head may take the layer's total
+    (lambda: methods.reason_alloc(profile=None), 3 * 256 - 2 * 64),  # HeadUtility: the total less 2 floors
+    (lambda: Pipeline(BlockGranular(RandomDrop(), 32)), 3 * 256),
+])
+def test_per_head_counts_are_held_in_the_blocks_of_the_largest_head(make, top):
+    """Per-head counts run: the scheduler frees by the most one head can keep (whole blocks), which needs the
+    model's KV heads."""
+    engine = engine_limits(engine_kwargs("full")["additional_config"][CONFIG_KEY], BS)
+    s = request_settings(request_kwargs(make(), 256), engine)
+    assert s.per_head and s.per_layer
+    assert s.held_bound(30, BS, 3) == -(-top // BS) * BS
+    with pytest.raises(KVComposeError, match="KV heads"):
+        s.held_bound(30, BS)
+    assert not request_settings(request_kwargs("rkv", 256), engine).per_head
 
 
 def test_per_layer_budgets_are_held_in_the_blocks_of_the_largest():

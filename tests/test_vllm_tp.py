@@ -20,7 +20,8 @@ pytest.importorskip("vllm")
 from vllm_support import COMPOSED, pipeline_of, tiny_llama  # noqa: E402
 
 PRESETS = ["streaming_llm", "random_attention", "rkv", "vase", "snapkv", "tova", "knorm", "merging(snapkv)",
-           "pyramid_rkv", "wave(rkv)"]  # the last two: per-layer budgets
+           "pyramid_rkv", "wave(rkv)",  # per-layer budgets
+           "adakv", "heads(wave(rkv))"]  # per-head counts (each rank attends over its own heads' counts)
 BUDGET, INTERVAL, NEW = 96, 32, 96
 
 _SCRIPT = textwrap.dedent('''

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcompose import KVComposeCache, Pipeline, Scorer, TopK, methods
-from kvcompose.allocators import ReasoningWave
+from kvcompose.allocators import HeadUtility, ReasoningWave
 
 
 def tiny_llama(path: str, seed: int = 0) -> str:
@@ -77,7 +77,10 @@ class _Recording(Pipeline):
 WAVE = {"kind": "kvcompose.reasoning_wave", "demand": [1.0, 3.0, 2.0], "fingerprint": {"num_hidden_layers": 3}}
 """A ReasonAlloc layer profile for the tiny Llama's 3 layers (budgets 60, 132, 96 at a mean of 96)."""
 COMPOSED = {"merging(snapkv)": lambda: methods.merging(methods.snapkv()),
-            "wave(rkv)": lambda: methods.with_allocator(methods.rkv(), ReasoningWave(WAVE))}
+            "wave(rkv)": lambda: methods.with_allocator(methods.rkv(), ReasoningWave(WAVE)),
+            "adakv": lambda: methods.preset("adakv"),
+            "heads(rkv)": lambda: methods.with_allocator(methods.rkv(), HeadUtility()),
+            "heads(wave(rkv))": lambda: methods.with_allocator(methods.rkv(), HeadUtility(ReasoningWave(WAVE)))}
 """Pipelines the vLLM tests serve by name that are not presets (a request sends the Pipeline object)."""
 
 
@@ -181,7 +184,7 @@ REQUEST_CASES = [  # (engine, what, the request's extra_args["kvcompose"])
     ("rkv", "an unknown preset", {"preset": "nope", "budget": 128}),
     ("rkv", "a preset that is not a name", {"preset": 3}),
     ("rkv", "a preset vLLM cannot run (observers)", {"preset": "h2o", "budget": 128}),
-    ("rkv", "a preset vLLM cannot run (per-head budgets)", {"preset": "reason_alloc", "budget": 128}),
+    ("rkv", "a preset vLLM cannot run (budgets that grow)", {"preset": "growpage", "budget": 128}),
     ("rkv", "preset arguments that are not a dict", {"preset": "rkv", "args": [1, 2], "budget": 128}),
     ("rkv", "an argument the preset does not take", {"preset": "rkv", "args": {"nope": 1}, "budget": 128}),
     ("rkv", "arguments without a preset", {"args": {"window": 8}}),

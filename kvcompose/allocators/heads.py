@@ -85,9 +85,21 @@ class HeadUtility(Allocator):
         """The static layer budgets of `layers` (uniform without)."""
         return [budget] * num_layers if self.layers is None else self.layers.layer_budgets(num_layers, budget)
 
+    @property
+    def static_schedule(self) -> bool:
+        """Layer budgets are a pure function of their arguments when `layers` is (or is None): the heads' split
+        is data-dependent, the layers' totals are not."""
+        return self.layers is None or bool(getattr(self.layers, "static_schedule", False))
+
     def floor_tokens(self, budget: int) -> int:
         """The per-head floor at a layer budget."""
         return max(1, _share(self.floor, budget))
+
+    def head_bound(self, budget: int, heads: int) -> int:
+        """The most tokens one KV head can be given at a layer budget: the layer's total less the other heads'
+        floors, `heads * budget - (heads - 1) * floor` (what an engine that frees memory by a static bound, such
+        as vLLM's scheduler, must reserve)."""
+        return heads * budget - (heads - 1) * self.floor_tokens(budget)
 
     def check(self, pipeline: Any, budget: int | None, num_layers: int, num_heads: int) -> None:
         resolve = getattr(self.layers, "resolve", None)  # ReasoningWave(profile="auto") finds its profile

@@ -7,7 +7,8 @@
   (RoPE) are untouched. The same tensor is the forward context's slot mapping, so the KV write of every
   layer lands at the physical slots.
 * `RecordQueries` (impl): before vLLM's attention, writes the step's planned post-RoPE queries of the layer
-  into kvcompose's ring (`Runtime.record`).
+  into kvcompose's ring (`Runtime.record`); after it, recomputes the rows whose KV heads hold their own counts
+  (`Runtime.head_attention`: vLLM's kernels read one length for every KV head).
 
 Both are pass-through until a kvcompose worker attaches its `Runtime` (`_kvc`): an engine without kvcompose
 in the same process runs vLLM's code unchanged. Only `CPU_ATTN` runs here; the CUDA classes

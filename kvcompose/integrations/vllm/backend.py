@@ -37,6 +37,7 @@ class PhysicalLengths:
             raise KVComposeError(f"attention metadata for {cm.num_reqs} requests, kvcompose planned "
                                  f"{plan.seq_lens.shape[0]}")
         rt.slots(cm.block_table_tensor, cm.slot_mapping)
+        plan.block_table = cm.block_table_tensor
         upper = cm.seq_lens_cpu_upper_bound
         if plan.class_seq_lens is not None:  # layers hold their own counts: one metadata per class of layers
             plan.class_slots, plan.class_meta = [], []
@@ -71,7 +72,11 @@ class RecordQueries:
             own = rt.layer_metadata(self._kvc_layer)  # layers that hold their own counts read their own lengths
             if own is not None:
                 attn_metadata = own
-        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        out = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        plan = None if rt is None else rt.step
+        if plan is not None and plan.head_rows is not None and attn_metadata is not None:
+            rt.head_attention(self._kvc_layer, query, kv_cache, output)  # heads that hold their own counts
+        return out
 
 
 class LayerSlots:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from ...allocators.base import layer_budget
 from ...block import EventTrigger, LayerSchedule
 from ...pipeline import Pipeline
 from ...seeding import check_seed, derived_seed
@@ -139,12 +140,17 @@ def check_pipeline(pipeline: Pipeline) -> None:
             "prefix of a new request (docs/serving.md, 'The host tier'): use Evict()"
         )
     alloc = pipeline.allocator
-    if isinstance(alloc, EventTrigger) or not alloc.uniform:
+    if isinstance(alloc, EventTrigger):
         raise KVComposeError(
-            f"{name} gives heads or requests their own budgets ({alloc!r}); vLLM's attention kernels read one "
-            "length per request and layer for every KV head, so in vLLM every KV head of a layer keeps the same "
-            "number of tokens: use a uniform or per-layer allocator (docs/serving.md, 'Per-layer and per-head "
-            "budgets')"
+            f"{name} gives requests their own budgets that grow while decoding ({alloc!r}); vLLM's scheduler frees "
+            "blocks by a bound it computes itself, and this allocator decides from the data when a request takes "
+            "more (docs/serving.md, 'Memory tiers, GrowPage: what vLLM would need')"
+        )
+    if not alloc.uniform and not hasattr(alloc, "head_bound"):
+        raise KVComposeError(
+            f"{name} gives heads their own budgets ({alloc!r}) without a bound on what one head can keep "
+            "(`head_bound`); the vLLM scheduler frees blocks by that bound (docs/serving.md, 'Per-layer and "
+            "per-head budgets')"
         )
     if isinstance(alloc, LayerSchedule) and not getattr(alloc, "static_schedule", False):
         raise KVComposeError(
@@ -154,16 +160,17 @@ def check_pipeline(pipeline: Pipeline) -> None:
         )
     if not alloc.needs_budget:
         raise KVComposeError(f"{name} derives budgets without one ({alloc!r}); the vLLM route needs a fixed budget")
-    if pipeline.selector is not None and pipeline.selector.ragged:
-        raise KVComposeError(
-            f"{name} keeps different counts per head ({pipeline.selector!r}); vLLM's attention kernels read one "
-            "length per request and layer for every KV head, so in vLLM every KV head of a layer keeps the same "
-            "number of tokens (docs/serving.md, 'Per-layer and per-head budgets')"
-        )
 
 
-def _held_bound(alloc: Any, num_layers: int, budget: int, block_size: int) -> int:
-    top = max(int(b) for b in alloc.layer_budgets(num_layers, budget))
+def _held_bound(pipeline: Pipeline, num_layers: int, budget: int, block_size: int, heads: int | None) -> int:
+    alloc = pipeline.allocator
+    budgets = [int(b) for b in alloc.layer_budgets(num_layers, budget)]
+    if pipeline.selector is not None and pipeline.selector.ragged:  # a head keeps at most its layer's total
+        top = max(heads * b for b in budgets)
+    elif not alloc.uniform:
+        top = max(int(alloc.head_bound(b, heads)) for b in budgets)
+    else:
+        top = max(budgets)
     return -(-top // block_size) * block_size
 
 
@@ -214,15 +221,23 @@ class Settings:
 
     @property
     def per_layer(self) -> bool:
-        """Whether the layers keep their own budgets (the allocator is a `LayerSchedule`)."""
-        return self.compresses and isinstance(self.pipeline.allocator, LayerSchedule)
+        """Whether the layers (or heads) keep their own budgets: the allocator is a `LayerSchedule`, or heads keep
+        their own counts (`per_head`)."""
+        return self.compresses and (isinstance(self.pipeline.allocator, LayerSchedule) or self.per_head)
+
+    @property
+    def per_head(self) -> bool:
+        """Whether the KV heads of a layer keep their own counts: a head-wise allocator (`HeadUtility`) or a
+        ragged selector (AdaKV's `CompositeTokens(structured=False)`)."""
+        p = self.pipeline
+        return self.compresses and (not p.allocator.uniform or (p.selector is not None and p.selector.ragged))
 
     def layer_budgets(self, num_layers: int, seen: int) -> list[int]:
         """Every layer's budget after `seen` tokens, as `KVComposeCache` computes it at an event."""
         if not self.per_layer:
             return [self.budget] * num_layers
         alloc = self.pipeline.allocator
-        return [int(alloc.layer_budget(i, num_layers, self.budget, seen)) for i in range(num_layers)]
+        return [int(layer_budget(alloc, i, num_layers, self.budget, seen)) for i in range(num_layers)]
 
     def check_layers(self, hf_config: Any, num_layers: int, num_kv_heads: int) -> None:
         """Per-layer budgets: bind the allocator to the served model (a profile calibrated on another
@@ -236,13 +251,17 @@ class Settings:
             alloc.bind_model(hf_config)
         alloc.check(self.pipeline, self.budget, num_layers, num_kv_heads)
 
-    def held_bound(self, num_layers: int, block_size: int) -> int:
+    def held_bound(self, num_layers: int, block_size: int, heads: int | None = None) -> int:
         """The tokens a request keeps in its blocks after an event (whole blocks): the budget, or with
         per-layer budgets the largest layer's static budget rounded up to whole blocks (a layer's budget never
-        exceeds its static one: ReasonAlloc's cap only lowers budgets while fewer tokens were seen)."""
+        exceeds its static one: ReasonAlloc's cap only lowers budgets while fewer tokens were seen), or with
+        per-head counts the most one head can keep in any layer (`heads`: the model's KV heads; `HeadUtility`:
+        `heads * b - (heads - 1) * floor`, a ragged selector: the layer's total `heads * b`)."""
         if not self.per_layer:
             return self.budget
-        return _held_bound(self.pipeline.allocator, num_layers, self.budget, block_size)
+        if self.per_head and heads is None:
+            raise KVComposeError("per-head budgets: the bound needs the model's number of KV heads")
+        return _held_bound(self.pipeline, num_layers, self.budget, block_size, heads)
 
 
 @dataclass(frozen=True)

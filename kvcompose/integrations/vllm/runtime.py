@@ -272,6 +272,12 @@ class RequestState:
     lpos: list[Tensor | None] | None = None  # per layer [Hg, k] logical positions kept at its last event
     lc_event: np.ndarray | None = None  # [L] logical count at each layer's last event
     levents: np.ndarray | None = None  # [L] events of each layer
+    # per-head counts (`Settings.per_head`), from its first event on: a compressed layer `i` holds, in head `h`,
+    # its kept tokens in slots [0, hcount[i, h]) and the newer ones from slot htop[i] on (the slots between are
+    # masked: attention over them runs in `Runtime.head_attention`)
+    htop: np.ndarray | None = None  # [L] the slot the newer tokens start at (0: the layer was never compressed)
+    hcount: np.ndarray | None = None  # [L, Hg] tokens each head kept at the layer's last event
+    hlimit: np.ndarray | None = None  # [L, Hg] each head's limit (`KVComposeCache`'s per-head limits)
 
     @property
     def offset(self) -> int:
@@ -302,6 +308,10 @@ class StepPlan:
     class_seq_lens: list[tuple[Tensor, Tensor, int]] | None = None  # per class (seq_lens, on the host, max)
     class_slots: list[Tensor] | None = None  # per class: the slot mapping (the builder fills it)
     class_meta: list[Any] | None = None  # per class: the attention metadata (the builder fills it)
+    # per-head counts: (row, first token, tokens, held per layer, htop, hcount) of each row whose heads hold
+    # their own counts, and the step's block table (the builder fills it)
+    head_rows: list[tuple] | None = None
+    block_table: Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -349,6 +359,7 @@ class Runtime:
         self.scheduler_tracked: int | None = None  # the scheduler's count of requests it keeps state for
         self.per_layer_refused: str | None = None  # why per-layer budgets cannot run in this engine (None: they can)
         self.hf_config: Any = None  # the served model's config (per-layer profiles are checked against it)
+        self.per_head_refused: str | None = None  # why per-head counts cannot run in this engine (None: they can)
 
     # -- requests ---------------------------------------------------------------------------------
     def add(self, req_id: str, settings: Settings, prompt_len: int) -> RequestState:
@@ -357,6 +368,9 @@ class Runtime:
                                  f"engine's ring holds {self.W} (raise query_window in engine_kwargs)")
         if settings.query_window > 0:
             self._ensure_ring()  # here, so that a ring that cannot be allocated fails this request alone
+        if settings.per_head and self.per_head_refused:
+            raise KVComposeError(f"request {req_id}: {settings.pipeline!r} gives the KV heads of a layer their own "
+                                 f"counts, and {self.per_head_refused}")
         if settings.per_layer and self.per_layer_refused:
             raise KVComposeError(f"request {req_id}: {settings.pipeline!r} gives each layer its own budget, and "
                                  f"{self.per_layer_refused}")
@@ -392,6 +406,7 @@ class Runtime:
         self._free_slot(st)
         st.last = st.held = st.c_event = 0
         st.kept_pos = st.lheld = st.lpos = st.lc_event = st.levents = None
+        st.htop = st.hcount = st.hlimit = None
         self.stats.preemptions += int(preempted)
 
     def advance(self, req_id: str, n_computed: int) -> RequestState | None:
@@ -419,21 +434,35 @@ class Runtime:
         if not event_due(st.prompt_len, st.last, n_computed, s.interval, 1, 0):  # not at a boundary
             return False
         lheld = np.full(self.L, st.held) if st.lheld is None else st.lheld
+        if s.per_head:
+            return any(self._head_due(st, i, int(lheld[i])) for i in range(self.L)) or self.cut_due(st, n_computed)
         return bool((lheld > np.asarray(s.layer_budgets(self.L, n_computed))).any()) or self.cut_due(st, n_computed)
+
+    def _head_due(self, st: RequestState, i: int, held: int) -> bool:
+        """`KVComposeCache`'s rule for a layer whose heads keep their own counts (`events.rows_over`): some head
+        holds more than its limit (the budgets of the layer's last event; before it, the layer's budget when its
+        store opened), or a whole interval past it."""
+        s = st.settings
+        if st.htop is None or not st.htop[i]:
+            lim = s.layer_budgets(self.L, 0)[i]  # a paged store's limits before its first event
+            return held > lim or held >= lim + s.interval
+        lens = st.hcount[i] + (held - int(st.htop[i]))
+        lim = st.hlimit[i]
+        return bool(((lens > lim) | (lens >= lim + s.interval)).any())
 
     def cut_due(self, st: RequestState, n_computed: int) -> bool:
         """Whether the scheduler frees the request's blocks behind its kept tokens at this step (its rule, on
         its counts: `held` and `Settings.held_bound`)."""
         s = st.settings
         return s.compresses and event_due(st.prompt_len, st.last, n_computed, s.interval, st.held,
-                                          s.held_bound(self.L, self.block_size))
+                                          s.held_bound(self.L, self.block_size, self.Hg))
 
     def cut(self, st: RequestState, n_computed: int, row: list[int]) -> list[int]:
         """The request's block-table row after this step's cut (the scheduler's), `held` set to the bound; the
         row unchanged when nothing is cut."""
         if not self.cut_due(st, n_computed):
             return list(row)
-        bound = st.settings.held_bound(self.L, self.block_size)
+        bound = st.settings.held_bound(self.L, self.block_size, self.Hg)
         st.held = bound
         return kept_row(row, n_computed, bound, self.block_size)
 
@@ -625,6 +654,9 @@ class Runtime:
         if st.lheld is None:
             st.lheld = np.full(L, st.held, dtype=np.int64)
             st.lpos, st.lc_event, st.levents = [None] * L, np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64)
+        if s.per_head and st.htop is None:
+            st.htop, st.hcount = np.zeros(L, dtype=np.int64), np.zeros((L, Hg), dtype=np.int64)
+            st.hlimit = np.zeros((L, Hg), dtype=np.int64)
         w = min(st.ring_n, s.query_window) if st.slot is not None else 0
         ring_idx = self._ring_index(st, w) if w else None
         table = torch.tensor(row, dtype=torch.long)
@@ -632,6 +664,11 @@ class Runtime:
         try:
             for i in range(L):
                 T, b = int(st.lheld[i]), budgets[i]
+                if s.per_head:
+                    if self._head_due(st, i, T):
+                        written = True
+                        self._compress_heads(st, i, b, c, table, ring_idx, kv_caches[i], rid, len(row))
+                    continue
                 if T <= b:
                     continue
                 if len(row) * bs < T:
@@ -664,6 +701,64 @@ class Runtime:
         self.stats.events += 1
         return {rid: new_row}
 
+    def _compress_heads(self, st: RequestState, i: int, b: int, c: int, table: Tensor, ring_idx: Tensor | None,
+                        kv: Tensor, rid: str, nblocks: int) -> None:
+        """Layer `i`'s event when its KV heads keep their own counts (`Settings.per_head`). The held tokens of
+        every head are read in `KVComposeCache`'s ragged order (the kept ones, then the newer ones, then padding
+        slots: zeros at `FAR_POSITION + t`, invalid), the pipeline selects, and each head's kept tokens are packed
+        into its leading slots; the layer's newer tokens then start at the largest head's count (`htop`)."""
+        dev, bs, D, Hg = self.device, self.block_size, self.D, self.Hg
+        s = st.settings
+        T = int(st.lheld[i])
+        if nblocks * bs < T:
+            raise KVComposeError(f"request {rid} holds {T} tokens in layer {i} in {nblocks} blocks of {bs}")
+        p = torch.arange(T)
+        blk, off = table[p // bs].to(dev), (p % bs).to(dev)
+        k, v = self.layout.gather(kv, blk, off)  # [H, T, D]: this rank's heads, physical slots
+        pos = self._continued(st.lpos[i], int(st.lc_event[i]), T, (Hg,))  # [Hg, T]
+        top = int(st.htop[i])
+        slot = torch.arange(T, device=dev)
+        if top:  # head h holds slots [0, hcount) and [top, T)
+            cnt = torch.from_numpy(st.hcount[i]).to(dev)
+            ok = (slot[None] < cnt[:, None]) | (slot[None] >= top)
+            order = torch.sort((~ok).to(torch.int8), dim=1, stable=True).indices  # the held slots first
+            n_ok = st.hcount[i] + (T - top)
+            width = int(n_ok.max())
+            order = order[:, :width]
+            inside = torch.arange(width, device=dev)[None] < torch.from_numpy(n_ok).to(dev)[:, None]
+        else:
+            width, order = T, slot.expand(Hg, T)
+            inside = torch.ones(Hg, T, dtype=torch.bool, device=dev)
+        mine = order[self.heads] if self.tp_size > 1 else order
+        idx = mine[..., None].expand(-1, -1, D)
+        zero = torch.zeros((), dtype=k.dtype, device=dev)
+        mask = (inside[self.heads] if self.tp_size > 1 else inside)[..., None]
+        keys = torch.where(mask, k.gather(1, idx), zero)
+        values = torch.where(mask, v.gather(1, idx), zero)
+        far = FAR_POSITION + torch.arange(width, device=dev)
+        vpos = torch.where(inside, pos.gather(1, order), far[None])
+        kept, keys, values, st.states[i] = self._select_layer(
+            i, s.pipeline, keys[None], values[None], b, None if ring_idx is None else ring_idx[None], 0, st.states[i],
+            ragged=True, positions=vpos[None], valid=inside[None], prompt_length=st.prompt_len, seen=c,
+            generator=st.gens[i], event=int(st.levents[i]), cache_budget=s.budget)
+        kept = kept[0]  # [Hg, K], ascending, -1 padded
+        kc = kept.clamp(min=0)
+        ok_kept = (kept >= 0) & inside.gather(1, kc)  # a head given more than it holds keeps what it holds
+        counts = ok_kept.sum(1).cpu().numpy().astype(np.int64)
+        K = int(counts.max())
+        kc, ok_kept = kc[:, :K], ok_kept[:, :K]  # the real picks come first (padding slots sort after them)
+        bound = s.held_bound(self.L, bs, Hg)
+        if K > min(bound, nblocks * bs):
+            raise KVComposeError(f"{s.pipeline!r} kept {K} tokens in one head of layer {i}, more than the {bound} "
+                                 "the scheduler keeps blocks for")
+        own = kc[self.heads] if self.tp_size > 1 else kc
+        gi = own[..., None].expand(-1, -1, D)
+        self.layout.scatter(kv, blk[:K], off[:K], keys[0].gather(1, gi), values[0].gather(1, gi))
+        st.lpos[i] = torch.where(ok_kept, vpos.gather(1, kc), -1)
+        st.hcount[i], st.hlimit[i], st.htop[i] = counts, self.last_budget[0], K
+        st.lc_event[i], st.lheld[i] = c, K
+        st.levents[i] += 1
+
     def _ring_queries(self, i: int, ring_idx: Tensor | None, shift: Any) -> tuple[Tensor | None, Tensor | None,
                                                                             Tensor | None]:
         """Layer `i`'s recorded queries of `n` requests for their `LayerView` (`ring_idx`: `[n, w]` flat ring
@@ -679,12 +774,14 @@ class Runtime:
         return qs, qpos, torch.ones(n, w, dtype=torch.bool, device=self.device)
 
     def _select_layer(self, i: int, pipe: Pipeline, keys: Tensor, values: Tensor, budget: int, ring_idx: Tensor | None,
-                      shift: Any, state: Any, **view: Any) -> tuple[Tensor, Tensor, Tensor, Any]:
+                      shift: Any, state: Any, ragged: bool = False, **view: Any) -> tuple[Tensor, Tensor, Tensor, Any]:
         """Layer `i`'s selection for `n` rows, what both events share: every head gathered under tensor
         parallelism (rank order = the model's head order), the recorded queries, one `Pipeline.select` over a
         `LayerView` (`view`: its other fields), the merged values of a `Merger`, the count checked. `keys`,
         `values`: `[n, H, T, D]` (this rank's heads). Returns `kept` `[n, Hg, budget]` (every head; -1 marks an
-        invalid pick, checked by the caller), this rank's keys and values to pack from, and the new state."""
+        invalid pick, checked by the caller), this rank's keys and values to pack from, and the new state. With
+        `ragged` (heads keep their own counts) `kept` is `[n, Hg, K]`, -1 padded, and `self.last_budget` holds
+        the heads' budgets `[n, Hg]` on the host."""
         tp = self.tp_size > 1
         if tp:
             keys, values = self.gather(keys, 1), self.gather(values, 1)
@@ -694,7 +791,10 @@ class Runtime:
                                            **view), budget, state)
         if sel.values is not None:  # a Merger: the kept tokens take the merged values (keys never change)
             values = sel.values
-        if sel.kept.shape[-1] != budget:
+        if ragged:
+            hb = sel.host_budget
+            self.last_budget = np.asarray(hb if hb is not None else sel.budget.cpu().numpy(), dtype=np.int64)
+        elif sel.kept.shape[-1] != budget:
             raise KVComposeError(f"{pipe!r} kept {sel.kept.shape[-1]} tokens per head at layer {i}'s budget {budget}; "
                                  "the vLLM route needs exactly the budget (the scheduler frees blocks by that count)")
         if tp:  # this rank packs its own heads
@@ -774,6 +874,9 @@ class Runtime:
                     plan.class_seq_lens.append((seq.to(dev, non_blocking=True), seq, int(seq.max())))
                 held = cols[:, plan.layer_class[0]]
                 plan.tok_phys = plan.class_phys[plan.layer_class[0]]
+                plan.head_rows = [(r, int(starts[r]), int(n[r]), sts[r].lheld.copy(), sts[r].htop.copy(),
+                                   sts[r].hcount.copy()) for r in lrows
+                                  if sts[r].htop is not None and sts[r].htop.any()] or None
             else:
                 plan.tok_phys = torch.from_numpy(held[tok_row] + within).to(dev, non_blocking=True)
             seq = held + n
@@ -822,6 +925,38 @@ class Runtime:
         p = plan.tok_phys if phys is None else phys
         blk = block_table[plan.tok_row, p // bs].to(torch.long)
         slot_mapping[:n].copy_(blk * bs + p % bs)
+
+    def head_attention(self, layer_idx: int, query: Tensor, kv: Tensor, output: Tensor) -> None:
+        """Attention of this step's rows whose KV heads hold their own counts, in layer `layer_idx`, written over
+        what vLLM's kernel wrote for them (it reads one length for every head: the slots between a head's kept
+        tokens and the layer's newer ones are masked here). `query`: `[N, Hq, D]` (post-RoPE, this rank's
+        heads); `kv`: the layer's cache, this step's keys and values already written; `output`: `[N, Hq * D]`
+        or `[N, Hq, D]`. float32 softmax, as the CPU kernel; no sliding window, soft-capping or sinks
+        (`per_head_refused`)."""
+        plan = self.step
+        if plan is None or plan.head_rows is None:
+            return
+        i, bs, D, H, Hq = layer_idx, self.block_size, self.D, self.H, self.Hq
+        G = Hq // H
+        dev = kv.device
+        out = output.view(output.shape[0], Hq, D)
+        heads = self.heads if self.tp_size > 1 else slice(None)
+        for r, t0, n, lheld, htop, hcount in plan.head_rows:
+            top = int(htop[i])
+            if not top:
+                continue
+            held = int(lheld[i])
+            T = held + n
+            p = torch.arange(T, device=dev)
+            k, v = self.layout.gather(kv, plan.block_table[r, p // bs].to(torch.long), p % bs)  # [H, T, D]
+            cnt = torch.from_numpy(hcount[i][heads]).to(dev)  # [H]
+            see = (p[None, None] < cnt[:, None, None]) | (
+                (p[None, None] >= top) & (p[None, None] <= held + torch.arange(n, device=dev)[None, :, None]))
+            q = query[t0:t0 + n].reshape(n, H, G, D).permute(1, 2, 0, 3).float()  # [H, G, n, D]
+            s = torch.einsum("hgnd,htd->hgnt", q, k.float()) * self.scales[i]
+            s = s.masked_fill(~see[:, None], float("-inf"))
+            o = torch.einsum("hgnt,htd->hgnd", s.softmax(-1), v.float())  # [H, G, n, D]
+            out[t0:t0 + n] = o.permute(2, 0, 1, 3).reshape(n, Hq, D).to(out.dtype)
 
     def layer_slots(self, layer_idx: int) -> Tensor | None:
         """The slot mapping of one layer at this step when layers hold their own counts (None: the step's)."""

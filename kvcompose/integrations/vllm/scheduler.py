@@ -204,7 +204,7 @@ class KVComposeScheduler(Scheduler):
         if st is None or not st.settings.compresses or st.settings.budget is None:
             return now
         s = st.settings
-        kept = s.held_bound(self._kvc_layers, b)
+        kept = s.held_bound(self._kvc_layers, b, self._kvc_heads)
         bound = -(-(max(st.prompt_len, kept) + s.interval) // b) + 1
         if request.max_tokens is not None:
             bound = min(bound, -(-(st.prompt_len + request.max_tokens) // b))
@@ -292,7 +292,7 @@ class KVComposeScheduler(Scheduler):
             st.last = st.held = 0
         st.held += c - st.last
         s = st.settings
-        kept = s.held_bound(self._kvc_layers, self._kvc_block) if s.compresses else None
+        kept = s.held_bound(self._kvc_layers, self._kvc_block, self._kvc_heads) if s.compresses else None
         due = s.compresses and event_due(st.prompt_len, st.last, c, s.interval, st.held, kept)
         st.last = c
         if not due:

@@ -111,6 +111,11 @@ class KVComposeRunner:
             layout=PagedLayout(kind, spec.head_size, block_size, maps), tp_rank=tp_rank, tp_size=tp, gather=gather,
         )
         self._kvc.hf_config = vllm_config.model_config.hf_config
+        odd = [n for n, impl in zip(names, impls) if getattr(impl, "logits_soft_cap", None) or
+               getattr(impl, "sinks", None) is not None]
+        if odd:  # `Runtime.head_attention` is plain softmax attention
+            self._kvc.per_head_refused = (f"layer {odd[0]} soft-caps its logits or has attention sinks, which "
+                                          "kvcompose's attention for per-head counts does not implement")
         hidden = vllm_config.model_config.get_total_num_hidden_layers()
         if hidden != len(layers):  # per-layer schedules count the model's layers; the scheduler uses `hidden`
             self._kvc.per_layer_refused = (f"the model has {hidden} layers, {len(layers)} of them attention layers: "
