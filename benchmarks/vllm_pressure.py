@@ -109,12 +109,15 @@ def compressed_blocks(budget: int, interval: int) -> int:
 
 def kept_bound(model: str, extra: dict[str, Any], engine_cfg: dict[str, Any]) -> int:
     """The tokens a compressed request keeps in its blocks after an event: its budget, or with per-layer budgets
-    the largest layer's rounded up to whole blocks (`Settings.held_bound`, for this model's layers)."""
+    the largest layer's rounded up to whole blocks, or with per-head counts the most one head can keep
+    (`Settings.held_bound`, for this model's layers and KV heads)."""
     from kvcompose.integrations.vllm import CONFIG_KEY, engine_limits, request_settings
 
     with open(os.path.join(model, "config.json")) as f:
-        layers = json.load(f)["num_hidden_layers"]
-    return request_settings(extra, engine_limits(engine_cfg[CONFIG_KEY], BLOCK)).held_bound(layers, BLOCK)
+        cfg = json.load(f)
+    layers = cfg["num_hidden_layers"]
+    heads = cfg.get("num_key_value_heads", cfg.get("num_attention_heads"))
+    return request_settings(extra, engine_limits(engine_cfg[CONFIG_KEY], BLOCK)).held_bound(layers, BLOCK, heads)
 
 
 def pool_blocks(prompt_lens: list[int], tokens: int, mode: str, plain_requests: int) -> int:

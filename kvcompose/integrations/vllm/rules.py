@@ -15,7 +15,9 @@ The rule is `KVComposeCache`'s schedule: an event is due when the decoded count 
 `budget`. With per-layer budgets (an allocator with a `LayerSchedule`: PyramidKV, ReasonAlloc's layer
 profile) each layer keeps its own count inside the blocks of the largest (`Settings.held_bound`): the
 scheduler frees by that bound with the same rule, and the worker compresses each layer at the same boundaries
-when it holds more than its own budget, as `KVComposeCache` does.
+when it holds more than its own budget, as `KVComposeCache` does. With per-head counts (`HeadUtility`, a ragged
+selector) each KV head keeps its own count inside the blocks of the most one head can keep (`held_bound` with
+the model's KV heads).
 """
 
 from __future__ import annotations

@@ -308,9 +308,9 @@ class StepPlan:
     class_seq_lens: list[tuple[Tensor, Tensor, int]] | None = None  # per class (seq_lens, on the host, max)
     class_slots: list[Tensor] | None = None  # per class: the slot mapping (the builder fills it)
     class_meta: list[Any] | None = None  # per class: the attention metadata (the builder fills it)
-    # per-head counts: (row, first token, tokens, held per layer, htop, hcount) of each row whose heads hold
-    # their own counts, and the step's block table (the builder fills it)
-    head_rows: list[tuple] | None = None
+    # per-head counts: the rows whose heads hold their own counts (`Runtime._head_rows`), and the step's block
+    # table (the builder fills it)
+    head_rows: dict[str, Any] | None = None
     block_table: Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -874,9 +874,9 @@ class Runtime:
                     plan.class_seq_lens.append((seq.to(dev, non_blocking=True), seq, int(seq.max())))
                 held = cols[:, plan.layer_class[0]]
                 plan.tok_phys = plan.class_phys[plan.layer_class[0]]
-                plan.head_rows = [(r, int(starts[r]), int(n[r]), sts[r].lheld.copy(), sts[r].htop.copy(),
-                                   sts[r].hcount.copy()) for r in lrows
-                                  if sts[r].htop is not None and sts[r].htop.any()] or None
+                hrows = [r for r in lrows if sts[r].htop is not None and sts[r].htop.any()]
+                if hrows:
+                    plan.head_rows = self._head_rows(sts, hrows, starts, n)
             else:
                 plan.tok_phys = torch.from_numpy(held[tok_row] + within).to(dev, non_blocking=True)
             seq = held + n
@@ -926,6 +926,24 @@ class Runtime:
         blk = block_table[plan.tok_row, p // bs].to(torch.long)
         slot_mapping[:n].copy_(blk * bs + p % bs)
 
+    def _head_rows(self, sts: list, rows: list[int], starts: np.ndarray, n: np.ndarray) -> dict[str, Any]:
+        """What `head_attention` reads, for the batch rows `rows` whose heads hold their own counts, built once per
+        step: their tokens (`tok` `[M]` batch token index, `tok_row` `[M]` index into `rows`, `tok_j` `[M]` index
+        among the row's tokens), and per layer their held counts `held` `[L, R]`, where the newer tokens start
+        `top` `[L, R]` and each head's kept count `cnt` `[L, R, H]` (this rank's heads)."""
+        dev = self.device
+        rr = np.asarray(rows)
+        m = n[rr]
+        tok_row = np.repeat(np.arange(len(rr)), m)
+        tok_j = np.arange(int(m.sum())) - (np.cumsum(m) - m)[tok_row]
+        held = np.stack([sts[r].lheld for r in rows], axis=1)  # [L, R]
+        top = np.stack([sts[r].htop for r in rows], axis=1)
+        cnt = np.stack([sts[r].hcount for r in rows], axis=1)[..., self.heads]  # [L, R, H]
+        t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(dev, non_blocking=True)  # noqa: E731
+        return {"rows": t(rr), "tok": t(starts[rr][tok_row] + tok_j), "tok_row": t(tok_row), "tok_j": t(tok_j),
+                "held": t(held), "top": t(top), "cnt": t(cnt), "width": (held.max(1) + int(m.max())).tolist(),
+                "active": top.any(1).tolist()}
+
     def head_attention(self, layer_idx: int, query: Tensor, kv: Tensor, output: Tensor) -> None:
         """Attention of this step's rows whose KV heads hold their own counts, in layer `layer_idx`, written over
         what vLLM's kernel wrote for them (it reads one length for every head: the slots between a head's kept
@@ -934,29 +952,31 @@ class Runtime:
         or `[N, Hq, D]`. float32 softmax, as the CPU kernel; no sliding window, soft-capping or sinks
         (`per_head_refused`)."""
         plan = self.step
-        if plan is None or plan.head_rows is None:
+        hr = None if plan is None else plan.head_rows
+        if hr is None or not hr["active"][layer_idx]:
             return
         i, bs, D, H, Hq = layer_idx, self.block_size, self.D, self.H, self.Hq
         G = Hq // H
         dev = kv.device
+        R, T = hr["rows"].shape[0], hr["width"][i]
+        p = torch.arange(T, device=dev)
+        blk = plan.block_table[hr["rows"]][:, p // bs].to(torch.long)  # [R, T] (past a row's count: masked)
+        k, v = self.layout.gather(kv, blk.reshape(-1), (p % bs).repeat(R))  # [H, R * T, D]
+        k, v = k.view(H, R, T, D), v.view(H, R, T, D)
+        tr, held, top = hr["tok_row"], hr["held"][i], hr["top"][i]  # [M], [R], [R]
+        cnt = hr["cnt"][i]  # [R, H]
+        kept = p[None, None] < cnt.t()[:, tr, None]  # [H, M, T]: the head's kept tokens
+        newer = (p[None] >= top[tr, None]) & (p[None] <= (held[tr] + hr["tok_j"])[:, None])  # [M, T], causal
+        see = kept | (newer[None] & (top[tr] > 0)[None, :, None]) | (top[tr] == 0)[None, :, None] & (
+            p[None, None] <= (held[tr] + hr["tok_j"])[None, :, None])
+        M = tr.shape[0]
+        q = query.index_select(0, hr["tok"]).reshape(M, H, G, D).permute(1, 2, 0, 3).float()  # [H, G, M, D]
+        kt, vt = k.float()[:, tr], v.float()[:, tr]  # [H, M, T, D]
+        sc = torch.einsum("hgmd,hmtd->hgmt", q, kt) * self.scales[i]
+        sc = sc.masked_fill(~see[:, None], float("-inf"))
+        o = torch.einsum("hgmt,hmtd->hgmd", sc.softmax(-1), vt)  # [H, G, M, D]
         out = output.view(output.shape[0], Hq, D)
-        heads = self.heads if self.tp_size > 1 else slice(None)
-        for r, t0, n, lheld, htop, hcount in plan.head_rows:
-            top = int(htop[i])
-            if not top:
-                continue
-            held = int(lheld[i])
-            T = held + n
-            p = torch.arange(T, device=dev)
-            k, v = self.layout.gather(kv, plan.block_table[r, p // bs].to(torch.long), p % bs)  # [H, T, D]
-            cnt = torch.from_numpy(hcount[i][heads]).to(dev)  # [H]
-            see = (p[None, None] < cnt[:, None, None]) | (
-                (p[None, None] >= top) & (p[None, None] <= held + torch.arange(n, device=dev)[None, :, None]))
-            q = query[t0:t0 + n].reshape(n, H, G, D).permute(1, 2, 0, 3).float()  # [H, G, n, D]
-            s = torch.einsum("hgnd,htd->hgnt", q, k.float()) * self.scales[i]
-            s = s.masked_fill(~see[:, None], float("-inf"))
-            o = torch.einsum("hgnt,htd->hgnd", s.softmax(-1), v.float())  # [H, G, n, D]
-            out[t0:t0 + n] = o.permute(2, 0, 1, 3).reshape(n, Hq, D).to(out.dtype)
+        out.index_copy_(0, hr["tok"], o.permute(2, 0, 1, 3).reshape(M, Hq, D).to(out.dtype))
 
     def layer_slots(self, layer_idx: int) -> Tensor | None:
         """The slot mapping of one layer at this step when layers hold their own counts (None: the step's)."""

@@ -5,7 +5,8 @@ At the end of every `schedule()`, for each request the step runs, it applies the
 same counts (`rules.event_due` on the prompt length and the `num_computed_tokens` the step sends the worker):
 when the worker will compress the request before this step's forward, the scheduler keeps the request's
 first `budget / block_size` real blocks (the worker packs every layer's and KV head's kept tokens there; with
-per-layer budgets, the largest layer's rounded up to whole blocks, `Settings.held_bound`) and
+per-layer budgets, the largest layer's rounded up to whole blocks; with per-head counts, the most one head can
+keep: `Settings.held_bound`) and
 every block from the logical block of `num_computed_tokens` on, and returns the others to vLLM's pool. They
 serve other requests from the next step on; the worker's packing is done by then. Positions stay logical:
 the freed entries of the request's block list become vLLM's null block, as its sliding-window managers do.
