@@ -269,10 +269,12 @@ def run_engine(args, modes: list[str], tokens: int, engine: str) -> dict[str, di
 
 # ------------------------------------------------------------------------------------------- the report
 def _share(st: dict[str, Any] | None) -> float | None:
-    """kvcompose's share of the worker's step time: events + per-step bookkeeping over the step time."""
+    """kvcompose's share of the worker's step time: events + per-step bookkeeping (+ its attention of per-head
+    rows) over the step time."""
     if not st or not st.get("step_seconds"):
         return None
-    kv = sum(st.get(k, 0.0) for k in ("event_seconds", "plan_seconds", "builder_seconds", "record_seconds"))
+    kv = sum(st.get(k, 0.0) for k in ("event_seconds", "plan_seconds", "builder_seconds", "record_seconds",
+                                       "head_seconds"))
     return kv / st["step_seconds"]
 
 

@@ -274,6 +274,23 @@ def _random_maps(bs, D, seed):
     return (torch.randperm(bs * D, generator=g).view(bs, D), torch.randperm(bs * D, generator=g).view(bs, D))
 
 
+@pytest.mark.parametrize("maps", [None, "vec", "random"])
+def test_whole_blocks_read_as_their_slots(maps):
+    """`PagedLayout.gather_blocks` (whole blocks, what per-head attention reads) gives every slot's key and value
+    as `gather` does slot by slot, for the flash layout, the vec ISA's and any permutation inside a block."""
+    bs, D, H, nb = 8, 4, 3, 6
+    m = None if maps is None else _vec_maps(bs, D) if maps == "vec" else _random_maps(bs, D, 5)
+    layout = PagedLayout("CPU_ATTN" if m is not None else "FLASH_ATTN", D, bs, m)
+    kv = torch.randn(nb, H, bs, 2 * D)
+    blocks = torch.tensor([4, 1, 1, 5])
+    k, v = layout.gather_blocks(kv, blocks)  # [4, H, bs, D]
+    slot = torch.arange(bs).repeat(4)
+    k2, v2 = layout.gather(kv, blocks.repeat_interleave(bs), slot)  # [H, 4 * bs, D]
+    assert torch.equal(k.permute(1, 0, 2, 3).reshape(H, -1, D), k2)
+    assert torch.equal(v.permute(1, 0, 2, 3).reshape(H, -1, D), v2)
+    assert not torch.equal(k2, v2)
+
+
 @pytest.mark.parametrize("preset", ["streaming_llm", "random_attention", "rkv", "vase", "snapkv", "tova", "knorm",
                                     "merging(snapkv)"])
 @pytest.mark.parametrize("cpu_layout", [False, True, "vec"])

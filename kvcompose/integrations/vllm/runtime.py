@@ -116,6 +116,19 @@ class PagedLayout:
         flat = self._flat(kv)
         return flat.index_select(0, ki.reshape(-1)).view(ki.shape), flat.index_select(0, vi.reshape(-1)).view(vi.shape)
 
+    def gather_blocks(self, kv: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values `[n, H, block_size, D]` of whole blocks (`blocks`: `[n]` block ids): one
+        `index_select` of the blocks, then the layout's map inside a block (no per-element index)."""
+        self._check(kv)
+        raw = kv.index_select(0, blocks)  # [n, H, bs, 2D] as stored
+        n, H, bs, D = raw.shape[0], raw.shape[1], self.bs, self.D
+        if self.kmap is None:
+            return raw[..., :D], raw[..., D:]
+        flat = raw.reshape(n, H, 2 * bs * D)
+        k = flat.index_select(2, self.kmap.reshape(-1).to(kv.device)).view(n, H, bs, D)
+        v = flat.index_select(2, (bs * D + self.vmap.reshape(-1)).to(kv.device)).view(n, H, bs, D)
+        return k, v
+
     def scatter(self, kv: Tensor, blk: Tensor, off: Tensor, keys: Tensor, values: Tensor,
                 index: tuple[Tensor, Tensor] | None = None) -> None:
         ki, vi = self.index(kv, blk, off) if index is None else index
@@ -237,6 +250,7 @@ class Stats:
     plan_seconds: float = 0.0  # per-step bookkeeping: counts, block-table rows, physical positions, ring plan
     builder_seconds: float = 0.0  # slot mapping and lengths rewritten in the attention metadata builder
     record_seconds: float = 0.0  # queries recorded into the ring (every layer)
+    head_seconds: float = 0.0  # kvcompose's attention of rows whose heads hold their own counts (every layer)
     steps: int = 0
     step_seconds: float = 0.0  # vLLM's execute_model + sample_tokens, kvcompose included
     peak_requests: int = 0  # most requests in one step's batch
@@ -958,11 +972,14 @@ class Runtime:
         i, bs, D, H, Hq = layer_idx, self.block_size, self.D, self.H, self.Hq
         G = Hq // H
         dev = kv.device
-        R, T = hr["rows"].shape[0], hr["width"][i]
+        t0 = time.perf_counter()
+        R, nb = hr["rows"].shape[0], -(-hr["width"][i] // bs)
+        T = nb * bs
         p = torch.arange(T, device=dev)
-        blk = plan.block_table[hr["rows"]][:, p // bs].to(torch.long)  # [R, T] (past a row's count: masked)
-        k, v = self.layout.gather(kv, blk.reshape(-1), (p % bs).repeat(R))  # [H, R * T, D]
-        k, v = k.view(H, R, T, D), v.view(H, R, T, D)
+        blk = plan.block_table[hr["rows"], :nb].to(torch.long)  # [R, nb] (past a row's count: masked)
+        k, v = self.layout.gather_blocks(kv, blk.reshape(-1))  # [R * nb, H, bs, D]
+        k = k.view(R, nb, H, bs, D).permute(2, 0, 1, 3, 4).reshape(H, R, T, D)
+        v = v.view(R, nb, H, bs, D).permute(2, 0, 1, 3, 4).reshape(H, R, T, D)
         tr, held, top = hr["tok_row"], hr["held"][i], hr["top"][i]  # [M], [R], [R]
         cnt = hr["cnt"][i]  # [R, H]
         kept = p[None, None] < cnt.t()[:, tr, None]  # [H, M, T]: the head's kept tokens
@@ -977,6 +994,7 @@ class Runtime:
         o = torch.einsum("hgmt,hmtd->hgmd", sc.softmax(-1), vt)  # [H, G, M, D]
         out = output.view(output.shape[0], Hq, D)
         out.index_copy_(0, hr["tok"], o.permute(2, 0, 1, 3).reshape(M, Hq, D).to(out.dtype))
+        self.stats.head_seconds += time.perf_counter() - t0
 
     def layer_slots(self, layer_idx: int) -> Tensor | None:
         """The slot mapping of one layer at this step when layers hold their own counts (None: the step's)."""
