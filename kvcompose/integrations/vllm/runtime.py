@@ -117,17 +117,25 @@ class PagedLayout:
         return flat.index_select(0, ki.reshape(-1)).view(ki.shape), flat.index_select(0, vi.reshape(-1)).view(vi.shape)
 
     def gather_blocks(self, kv: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values `[n, H, block_size, D]` of whole blocks (`blocks`: `[n]` block ids): one
-        `index_select` of the blocks, then the layout's map inside a block (no per-element index)."""
+        """Keys and values `[n, H, block_size, D]` of whole blocks (`blocks`: `[n]` block ids, views of one copy):
+        one `index_select` of the blocks, then the layout's map inside a block (a view for rows or columns, an
+        index only for another permutation)."""
         self._check(kv)
         raw = kv.index_select(0, blocks)  # [n, H, bs, 2D] as stored
         n, H, bs, D = raw.shape[0], raw.shape[1], self.bs, self.D
         if self.kmap is None:
             return raw[..., :D], raw[..., D:]
         flat = raw.reshape(n, H, 2 * bs * D)
-        k = flat.index_select(2, self.kmap.reshape(-1).to(kv.device)).view(n, H, bs, D)
-        v = flat.index_select(2, (bs * D + self.vmap.reshape(-1)).to(kv.device)).view(n, H, bs, D)
-        return k, v
+        out = []
+        for part, kind, m in ((flat[..., :bs * D], self._kinds()[0], self.kmap),
+                              (flat[..., bs * D:], self._kinds()[1], self.vmap)):
+            if kind == "rows":  # [bs, D] as the logical shape says
+                out.append(part.view(n, H, bs, D))
+            elif kind == "cols":  # [D, bs]: the vec ISA's keys
+                out.append(part.view(n, H, D, bs).transpose(2, 3))
+            else:  # any other permutation: by index (slower)
+                out.append(part.index_select(2, m.reshape(-1).to(kv.device)).view(n, H, bs, D))
+        return out[0], out[1]
 
     def scatter(self, kv: Tensor, blk: Tensor, off: Tensor, keys: Tensor, values: Tensor,
                 index: tuple[Tensor, Tensor] | None = None) -> None:
@@ -963,8 +971,8 @@ class Runtime:
         what vLLM's kernel wrote for them (it reads one length for every head: the slots between a head's kept
         tokens and the layer's newer ones are masked here). `query`: `[N, Hq, D]` (post-RoPE, this rank's
         heads); `kv`: the layer's cache, this step's keys and values already written; `output`: `[N, Hq * D]`
-        or `[N, Hq, D]`. float32 softmax, as the CPU kernel; no sliding window, soft-capping or sinks
-        (`per_head_refused`)."""
+        or `[N, Hq, D]`. PyTorch's SDPA with a mask (float accumulation); no sliding window, soft-capping or
+        sinks (`per_head_refused`)."""
         plan = self.step
         hr = None if plan is None else plan.head_rows
         if hr is None or not hr["active"][layer_idx]:
@@ -977,23 +985,24 @@ class Runtime:
         T = nb * bs
         p = torch.arange(T, device=dev)
         blk = plan.block_table[hr["rows"], :nb].to(torch.long)  # [R, nb] (past a row's count: masked)
-        k, v = self.layout.gather_blocks(kv, blk.reshape(-1))  # [R * nb, H, bs, D]
-        k = k.view(R, nb, H, bs, D).permute(2, 0, 1, 3, 4).reshape(H, R, T, D)
-        v = v.view(R, nb, H, bs, D).permute(2, 0, 1, 3, 4).reshape(H, R, T, D)
+        k, v = self.layout.gather_blocks(kv, blk.reshape(-1))  # [R * nb, H, bs, D] (views)
+        k = k.view(R, nb, H, bs, D).transpose(1, 2).reshape(R, H, T, D)
+        v = v.view(R, nb, H, bs, D).transpose(1, 2).reshape(R, H, T, D)
         tr, held, top = hr["tok_row"], hr["held"][i], hr["top"][i]  # [M], [R], [R]
         cnt = hr["cnt"][i]  # [R, H]
-        kept = p[None, None] < cnt.t()[:, tr, None]  # [H, M, T]: the head's kept tokens
-        newer = (p[None] >= top[tr, None]) & (p[None] <= (held[tr] + hr["tok_j"])[:, None])  # [M, T], causal
-        see = kept | (newer[None] & (top[tr] > 0)[None, :, None]) | (top[tr] == 0)[None, :, None] & (
-            p[None, None] <= (held[tr] + hr["tok_j"])[None, :, None])
+        last = (held[tr] + hr["tok_j"])[:, None, None]  # [M, 1, 1]: each query's own slot (causal)
+        pt = p[None, None]
+        see = torch.where((top[tr] > 0)[:, None, None],
+                          (pt < cnt[tr][:, :, None]) | ((pt >= top[tr][:, None, None]) & (pt <= last)),
+                          pt <= last)  # [M, H, T]: the head's kept tokens and the layer's newer ones
         M = tr.shape[0]
-        q = query.index_select(0, hr["tok"]).reshape(M, H, G, D).permute(1, 2, 0, 3).float()  # [H, G, M, D]
-        kt, vt = k.float()[:, tr], v.float()[:, tr]  # [H, M, T, D]
-        sc = torch.einsum("hgmd,hmtd->hgmt", q, kt) * self.scales[i]
-        sc = sc.masked_fill(~see[:, None], float("-inf"))
-        o = torch.einsum("hgmt,hmtd->hgmd", sc.softmax(-1), vt)  # [H, G, M, D]
+        if M != R:  # a row with several tokens: its keys once per token
+            k, v = k.index_select(0, tr), v.index_select(0, tr)
+        q = query.index_select(0, hr["tok"]).view(M, Hq, 1, D).to(k.dtype)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=see.repeat_interleave(G, 1)[:, :, None], scale=self.scales[i], enable_gqa=True)
         out = output.view(output.shape[0], Hq, D)
-        out.index_copy_(0, hr["tok"], o.permute(2, 0, 1, 3).reshape(M, Hq, D).to(out.dtype))
+        out.index_copy_(0, hr["tok"], o.view(M, Hq, D).to(out.dtype))
         self.stats.head_seconds += time.perf_counter() - t0
 
     def layer_slots(self, layer_idx: int) -> Tensor | None:
