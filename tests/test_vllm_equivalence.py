@@ -235,6 +235,39 @@ def test_admission_by_bound_never_preempts_a_compressed_request(tiny, tmp_path):
         del llm
 
 
+def test_admission_counts_a_running_request_by_the_blocks_it_can_hold(tiny, tmp_path):
+    """A compressed request that has run past its bound still holds at most its bound's blocks: admission counts
+    it by those, not by its logical length, so requests waiting behind long ones enter as short ones finish.
+    12 long requests (prompts of 100-111 tokens, 400 new: bound 6 blocks at budget 64, interval 32) and 90 short
+    ones (30 new: 3 blocks) in a pool of 100 blocks: 12 long and 9 short run at once. Counted by logical length,
+    the long ones alone would fill the pool's 99 usable blocks from about 160 decoded tokens on (9 blocks each),
+    and the short ones would wait for them to finish."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model, _, _ = tiny
+    llm, log = _engine(model, tmp_path, blocks=100, max_len=1024, kv_bytes=256 << 20)
+    try:
+        g = torch.Generator().manual_seed(3)
+        kw = request_kwargs("streaming_llm", 64, interval=32)
+        long_sp = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, extra_args=kw)
+        short_sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, extra_args=kw)
+        lengths = [100 + i for i in range(12)] + [40 + i % 20 for i in range(90)]
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(3, 512, (n,), generator=g).tolist()) for n in lengths]
+        outs = llm.generate(prompts, [long_sp] * 12 + [short_sp] * 90, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [400] * 12 + [30] * 90
+        with open(log) as f:
+            lines = [json.loads(x) for x in f]
+        assert not [x for x in lines if "preempted" in x]
+        events = [x for x in lines if "request_id" in x]
+        # the long requests' events while short ones still queue, past the point where their logical length
+        # alone would fill the pool: short requests run beside them
+        mid = [x["running"] for x in events if 160 <= x["num_computed_tokens"] - x["num_prompt_tokens"] <= 230]
+        assert mid and min(mid) > 12, mid
+    finally:
+        del llm
+
+
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     from kvcompose.models import default_model_path

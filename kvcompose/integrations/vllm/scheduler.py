@@ -194,16 +194,20 @@ class KVComposeScheduler(Scheduler):
             self._kvc_write({"preempted": request.request_id, "num_computed_tokens": request.num_computed_tokens})
         return super()._preempt_request(request, *args, **kwargs)
 
-    def _kvc_bound(self, request) -> int:
+    def _kvc_bound(self, request, running: bool = False) -> int:
         """The most blocks `request` can hold from now on: for a compressed request, `max(prompt, budget) +
-        interval` tokens and the block of its next token, capped by its whole length (and at least what its
-        tokens so far need, e.g. a preempted request's recomputation); otherwise the blocks its tokens need
+        interval` tokens and the block of its next token, capped by its whole length, and at least what it needs
+        now (`running`: the blocks it holds and one more; waiting: its logical length, e.g. a preempted request's
+        recomputation, which prefills every token before its next event); otherwise the blocks its tokens need
         after this step."""
         b = self._kvc_block
         now = -(-(request.num_tokens + 1) // b)
         st = self._kvc.get(request.request_id)
         if st is None or not st.settings.compresses or st.settings.budget is None:
             return now
+        if running:  # its events freed the blocks behind its kept tokens: what it holds, not its logical length
+            blocks = self._kvc_manager.req_to_blocks.get(request.request_id, ())
+            now = sum(1 for blk in blocks if not blk.is_null) + 1
         s = st.settings
         kept = s.held_bound(self._kvc_layers, b, self._kvc_heads)
         bound = -(-(max(st.prompt_len, kept) + s.interval) // b) + 1
@@ -215,7 +219,7 @@ class KVComposeScheduler(Scheduler):
         """How many requests may run after this step's admissions: the running ones plus the waiting ones, in
         queue order, whose bound fits in the pool beside the running ones' bounds."""
         usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1  # vLLM's null block is never free
-        held = sum(self._kvc_bound(r) for r in self.running)
+        held = sum(self._kvc_bound(r, running=True) for r in self.running)
         n = len(self.running) + getattr(self, "num_waiting_for_streaming_input", 0)
         for r in list(self.waiting):
             if n >= self._kvc_max_active:
