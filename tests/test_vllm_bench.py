@@ -179,11 +179,13 @@ def check_report(bench, out: str) -> None:
                 assert st["request_steps"] == s["produced_tokens"]
                 assert st["events"] > 0 and row["events"] == st["events"]
                 assert 0 < row["kvcompose share"] < 1
+                # the bound: max(prompt, budget 64) + interval 32, and a block = 4 blocks of 32
                 assert row["ceiling"] == pytest.approx((plain["pool_blocks"] - 1) / (2 + 1 + 1))
+                assert s["producing_peak"] <= int(row["ceiling"])  # admission by bound: never more than fit
             else:
                 assert row["ceiling"] == pytest.approx((plain["pool_blocks"] - 1) / -(-(max(lens) + 128) // 32))
         if mode == "pressure":  # the pool holds 2 plain requests: vLLM overcommits it and preempts; kvcompose
-            # admits a request only when its bound (max(prompt, budget 64) + interval 64, and a block) fits beside
+            # admits a request only when its bound (max(prompt, budget 64) + interval 32, and a block) fits beside
             # the running ones', so it never preempts
             assert rows[0]["preemptions"] > 0
             assert all(r["preemptions"] == 0 for r in rows[1:])
