@@ -203,6 +203,49 @@ def test_preempted_requests_are_recomputed_and_compressed_again(tiny):
     assert st["requests"] == [] and st["free_slots"] == st["slots"] and st["scheduler_requests"] == 0, st
 
 
+def test_per_head_and_per_layer_requests_are_preempted_and_recomputed(tiny, tmp_path):
+    """Requests whose layers and heads keep their own counts (adakv, HeadUtility, pyramid_rkv) beside uniform
+    ones, in a pool that vLLM's own admission overcommits: preempted ones restart their per-layer and per-head
+    state, are recomputed, compressed again and finish; nothing is left in the scheduler or the worker."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model, _, _ = tiny
+    llm, log = _engine(model, tmp_path, blocks=200, max_len=1024, kv_bytes=256 << 20, reserve=False)
+    try:
+        g = torch.Generator().manual_seed(1)
+        kinds = ["adakv", "heads(rkv)", "pyramid_rkv", "snapkv"]
+        prompts, params, kind_of = [], [], {}
+        for i in range(40):
+            kind = kinds[i % 4]
+            method = pipeline_of(kind) if kind in COMPOSED else kind
+            prompts.append(TokensPrompt(prompt_token_ids=torch.randint(3, 512, (20 + 3 * i,), generator=g).tolist()))
+            params.append(SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True,
+                                         extra_args=request_kwargs(method, 96, interval=32)))
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 300 and o.outputs[0].finish_reason == "length" for o in outs)
+        for i, o in enumerate(outs):
+            kind_of[o.request_id] = kinds[i % 4]
+        with open(log) as f:
+            lines = [json.loads(x) for x in f]
+        first = {}
+        for k, x in enumerate(lines):
+            if "preempted" in x:
+                first.setdefault(x["preempted"], k)
+        again = {x["request_id"] for k, x in enumerate(lines) if "request_id" in x and k > first.get(x["request_id"], 1e9)}
+        kinds_preempted = {kind_of[r.rsplit("-", 1)[0]] for r in first}  # vLLM's id: the user's, "-", a suffix
+        assert kinds_preempted >= {"adakv", "heads(rkv)", "pyramid_rkv"}, kinds_preempted
+        assert set(first) <= again, set(first) - again  # compressed again after coming back
+        # (their tokens after the preemption may differ from an unpreempted run's: the recomputed keys saw the
+        # whole sequence and the next event selects over it, see docs/serving.md, "Preemption")
+        t0 = time.time()
+        while (st := llm.collective_rpc("kvcompose_state")[0])["requests"] and time.time() - t0 < 10:
+            time.sleep(0.1)
+        assert st["requests"] == [] and st["failed"] == [] and st["scheduler_requests"] == 0, st
+    finally:
+        del llm
+
+
 def _pressure_batch(n: int = 64, new: int = 320):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
