@@ -5,7 +5,7 @@ vLLM gives every layer and KV head of a request the same block table (one KV-cac
 in every layer and head, the blocks of the largest budget any (layer, head) may keep: the scheduler frees by
 that count. Per-head budgets (`HeadUtility`: a floor per head, the rest of the layer's `H * b_l` moved to heads
 of high utility, decided from the data at each event) can reach `H * b_l - (H - 1) * floor_l` in one head (a
-ragged selector, AdaKV's: the layer's total `H * b_l`), and the scheduler, which never sees the data, must
+ragged selector, AdaKV's: the layer's total `H * b_l` less the other heads' floors), and the scheduler, which never sees the data, must
 reserve that bound (`rules.Settings.held_bound`). If vLLM gave each budget class its own
 blocks (a KV-cache group per layer, per-head block tables), a request would hold the sum of its classes'
 budgets, each rounded up to whole blocks. This prints, per method and mean budget, the tokens per KV head a
@@ -38,8 +38,9 @@ def classes(method: str, layers: int, heads: int, budget: int, block: int) -> di
     lay = alloc.layers if isinstance(alloc, HeadUtility) else alloc
     per_layer = [lay.layer_budget(i, layers, budget, None) for i in range(layers)] if hasattr(lay, "layer_budget") \
         else [budget] * layers
-    if pipe.selector is not None and pipe.selector.ragged:  # one head may take the layer's total
-        head_max = [heads * b for b in per_layer]
+    if pipe.selector is not None and pipe.selector.ragged:  # one head may take the layer's total, less the other
+        # heads' floors when every head's budget is the layer's (`Selector.head_bound`)
+        head_max = [pipe.selector.head_bound(b, heads) if alloc.uniform else heads * b for b in per_layer]
     elif isinstance(alloc, HeadUtility):  # the layer's total less the other heads' floors (`head_bound`)
         head_max = [alloc.head_bound(b, heads) for b in per_layer]
     else:

@@ -103,6 +103,12 @@ class Selector(Block):
     needs_scores: bool = True
     ragged: bool = False  # True when kept counts may differ between rows and heads (paged storage)
 
+    def head_bound(self, budget: int, heads: int) -> int:
+        """The most tokens one of a layer's `heads` KV heads can keep when every head's budget is `budget`:
+        `budget`, or for a ragged selector the layer's total `heads * budget` (what vLLM's scheduler keeps blocks
+        for, `Settings.held_bound`). A ragged selector that guarantees every head a floor states less."""
+        return heads * budget if self.ragged else budget
+
     def priority(
         self,
         scores: Float[Tensor, "B H T"] | None,

@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from helpers import random_view
 from kvcompose import HeadUtility, KeyNorm, KVComposeCache, KVComposeError, PagedStore, Pipeline, TopK, methods
@@ -113,6 +115,36 @@ def test_composite_tokens_keep_protected_and_floor():
     assert (kept[0, 0] >= 0).sum() == 10 and order.shape == (1, 2, 20)
     with pytest.raises(KVComposeError):
         CompositeTokens(floor=-1)
+
+
+@given(b=st.integers(1, 3), h=st.integers(1, 4), t=st.integers(8, 48), budget=st.integers(1, 24),
+       floor=st.sampled_from([0, 1, 3, 0.1, 0.2, 0.5, 1.0]), n_prot=st.integers(0, 3), seed=st.integers(0, 500))
+@example(b=1, h=3, t=40, budget=12, floor=0.2, n_prot=0, seed=0)
+@example(b=1, h=2, t=8, budget=5, floor=0, n_prot=0, seed=0)  # the winning head holds fewer than the bound
+@example(b=1, h=2, t=8, budget=2, floor=0, n_prot=2, seed=0)  # the other heads' protected tokens exceed the floor
+def test_composite_tokens_one_head_keeps_at_most_its_bound(b, h, t, budget, floor, n_prot, seed):
+    """The unstructured selection gives one head at most the layer's total less the floor every other head keeps
+    (`head_bound`, what vLLM's scheduler holds blocks for), whenever each head holds at least its floor; the
+    structured one the budget."""
+    g = torch.Generator().manual_seed(seed)
+    budget = min(budget, t)
+    scores = torch.randn(b, h, t, generator=g)
+    scores[..., : t // 4] = scores[..., :1]  # ties
+    scores[0, 0] += 100.0  # one head wins every global comparison: the bound's worst case
+    valid = torch.ones(b, h, t, dtype=torch.bool)
+    prot = torch.zeros(b, h, t, dtype=torch.bool)
+    prot[..., : min(n_prot, budget)] = True
+    for structured in (False, True):
+        sel = CompositeTokens(structured=structured, floor=0 if structured else floor)
+        kept, _ = sel(scores, prot, valid, torch.full((b, h), budget))
+        counts = (kept >= 0).sum(-1)
+        assert int(counts.max()) <= sel.head_bound(budget, h)
+        if not structured:
+            assert (counts >= sel.floor_count(budget)).all()
+            if h > 1:  # the bound is reached: the winning head takes all but what the others keep at least, their
+                # floor or their protected tokens (or all it holds)
+                least = max(sel.floor_count(budget), min(n_prot, budget))
+                assert int(counts[0, 0]) == min(h * budget - (h - 1) * least, t)
 
 
 MODEL = tiny_model("llama", layers=2, heads=4, kv_heads=2, head_dim=16)

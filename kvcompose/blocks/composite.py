@@ -120,6 +120,20 @@ class CompositeTokens(Selector):
     def priority(self, scores, valid, generator):
         return scores
 
+    def floor_count(self, budget: int) -> int:
+        """Tokens every head keeps at least when its budget is `budget` and it holds that many (unstructured): the
+        floor (a share of `budget`, or a count), at least 1, at most `budget`."""
+        lo = int(budget * self.floor) if isinstance(self.floor, float) else int(self.floor)
+        return min(max(lo, 1), budget)
+
+    def head_bound(self, budget: int, heads: int) -> int:
+        """Unstructured: the layer's total less the floor every other head keeps, `heads * budget - (heads - 1) *
+        floor_count(budget)` (AdaKV at `alpha=0.2`, 3 heads: 2.6x the budget instead of 3x); structured: the
+        budget."""
+        if self.structured:
+            return budget
+        return heads * budget - (heads - 1) * self.floor_count(budget)
+
     def counts(self, scores: Float[Tensor, "B H T"], protected: Bool[Tensor, "B H T"], valid: Bool[Tensor, "B H T"],
                budget: Int[Tensor, "B H"]) -> Int[Tensor, "B H"]:
         """Tokens each (row, head) keeps."""

@@ -167,8 +167,9 @@ def check_pipeline(pipeline: Pipeline) -> None:
 def _held_bound(pipeline: Pipeline, num_layers: int, budget: int, block_size: int, heads: int | None) -> int:
     alloc = pipeline.allocator
     budgets = [int(b) for b in alloc.layer_budgets(num_layers, budget)]
-    if pipeline.selector is not None and pipeline.selector.ragged:  # a head keeps at most its layer's total
-        top = max(heads * b for b in budgets)
+    if pipeline.selector is not None and pipeline.selector.ragged:  # a head keeps at most its layer's total, less
+        # the floor of the others when every head's budget is the layer's (a uniform allocator)
+        top = max(pipeline.selector.head_bound(b, heads) if alloc.uniform else heads * b for b in budgets)
     elif not alloc.uniform:
         top = max(int(alloc.head_bound(b, heads)) for b in budgets)
     else:
@@ -258,7 +259,8 @@ class Settings:
         per-layer budgets the largest layer's static budget rounded up to whole blocks (a layer's budget never
         exceeds its static one: ReasonAlloc's cap only lowers budgets while fewer tokens were seen), or with
         per-head counts the most one head can keep in any layer (`heads`: the model's KV heads; `HeadUtility`:
-        `heads * b - (heads - 1) * floor`, a ragged selector: the layer's total `heads * b`)."""
+        `heads * b - (heads - 1) * floor`; a ragged selector: `Selector.head_bound`, the layer's total `heads * b`
+        less the floor every other head keeps, AdaKV's `CompositeTokens(structured=False, floor=0.2)`)."""
         if not self.per_layer:
             return self.budget
         if self.per_head and heads is None:
