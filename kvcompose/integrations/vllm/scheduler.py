@@ -197,15 +197,16 @@ class KVComposeScheduler(Scheduler):
     def _kvc_bound(self, request, running: bool = False) -> int:
         """The most blocks `request` can hold from now on: for a compressed request, `max(prompt, budget) +
         interval` tokens and the block of its next token, capped by its whole length, and at least what it needs
-        now (`running`: the blocks it holds and one more; waiting: its logical length, e.g. a preempted request's
-        recomputation, which prefills every token before its next event); otherwise the blocks its tokens need
-        after this step."""
+        now (`running` and decoding: the blocks it holds and one more; otherwise its logical length, e.g. a
+        preempted request's recomputation, which prefills its tokens before its next event); otherwise the blocks
+        its tokens need after this step."""
         b = self._kvc_block
         now = -(-(request.num_tokens + 1) // b)
         st = self._kvc.get(request.request_id)
         if st is None or not st.settings.compresses or st.settings.budget is None:
             return now
-        if running:  # its events freed the blocks behind its kept tokens: what it holds, not its logical length
+        if running and request.num_computed_tokens >= request.num_tokens - 1:  # decoding: its events freed the
+            # blocks behind its kept tokens, so what it holds, not its logical length
             blocks = self._kvc_manager.req_to_blocks.get(request.request_id, ())
             now = sum(1 for blk in blocks if not blk.is_null) + 1
         s = st.settings
