@@ -673,10 +673,9 @@ class Runtime:
         tp = self.tp_size > 1
         budgets = s.layer_budgets(L, c)
         self._init_request(st)
-        if st.lheld is None:  # the first event since the request (re)started: every per-layer count from scratch
+        if st.lheld is None:  # the first event since the request (re)started (`restart` clears the head counts too)
             st.lheld = np.full(L, st.held, dtype=np.int64)
             st.lpos, st.lc_event, st.levents = [None] * L, np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64)
-            st.htop = st.hcount = st.hlimit = None
         if s.per_head and st.htop is None:
             st.htop, st.hcount = np.zeros(L, dtype=np.int64), np.zeros((L, Hg), dtype=np.int64)
             st.hlimit = np.zeros((L, Hg), dtype=np.int64)
