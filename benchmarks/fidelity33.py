@@ -8,10 +8,17 @@ the held-out set; then the tables of docs/results.md (`benchmarks/fidelity_table
     python benchmarks/fidelity33.py run                  # runs the unfinished jobs, 2 at a time, cheap first
     python benchmarks/fidelity33.py run --only traces    # one stage (calib, traces, refs, cells, choose, tables)
     python benchmarks/fidelity33.py estimate --methods h2o snapkv ...   # time a small sample (the plan's costs)
+    python benchmarks/fidelity33.py keep                 # write ROOT's finished cells into the kept record
+    python benchmarks/fidelity33.py adopt                # kept summaries from earlier tables' per_trace.json,
+                                                         # if the cells both hold agree on every trace
 
 Each job is one `kvcompose` command (log in `ROOT/logs/`) with `--threads 1`; cells append every finished batch
 to `ROOT/<set>/cells/`, so killing the driver loses at most one batch per running job and `run` again resumes
-(a job whose cells hold every prompt is skipped without starting). The stages, in dependency order:
+(a job whose cells hold every prompt is skipped without starting). ROOT is git-ignored and a fresh machine has
+none of it: after every job the driver writes the small record of what the CPU hours bought into `--keep`
+(docs/results/fidelity33/kept, committed): each set's traces, per-cell per-trace mean KL and top-1, the
+calibration profiles and the target's choice. A fresh checkout resumes from it (the traces come back, the
+references are rebuilt from them, a kept cell with every prompt is done) and the tables read it. The stages, in dependency order:
 
 1. `calib`: DuoAttention's head types and LU-KV's curves (`kvcompose calibrate --target duo|lukv`, GSM8K test
    lines 1000-1003, the questions the shipped ReasonAlloc profile was calibrated on); those 4 questions are
@@ -57,6 +64,7 @@ SETS = ("explore", "reported", "heldout")
 SEEDS = {"reported": 0, "heldout": 1, "explore": 2}
 CALIB_LINES = range(1000, 1004)  # kvcompose calibrate's default questions (and the shipped ReasonAlloc profile's)
 STAGES = ("calib", "traces", "refs", "cells", "choose", "tables")
+CALIBRATED = ("duo_attention", "lukv")  # pipelines that read `kvcompose calibrate`'s profiles (stage calib)
 PIPELINE_FILES = [HERE / "compositions.py", HERE / "snapkv_kvpress.py", HERE / "profiled.py"]
 
 
@@ -78,19 +86,25 @@ class Job:
     cmd: list[str]
     deps: list[str] = field(default_factory=list)
     cells: list[Path] = field(default_factory=list)  # done when each holds `prompts` ids (cell jobs)
+    kept: list[Path] = field(default_factory=list)  # the cells' summaries in the kept record (as many as `cells`)
     output: Path | None = None  # done when it exists (other jobs)
     prompts: int = 0
     cost: float = 0.0  # estimated CPU seconds
     blocked: str = ""  # why it cannot run here
+    unneeded: bool = False  # references of a set whose every cell is done (a fresh machine with a full record)
 
     def progress(self) -> tuple[int, int]:
         """(prompts scored, prompts needed) over the job's cells; (1, 1) / (0, 1) for an output file."""
         if self.cells:
-            return sum(min(self.prompts, _count(c)) for c in self.cells), self.prompts * len(self.cells)
+            kept = self.kept or [None] * len(self.cells)
+            return (sum(min(self.prompts, max(_count(c), _count(k) if k else 0)) for c, k in zip(self.cells, kept)),
+                    self.prompts * len(self.cells))
         return (1, 1) if self.output is not None and self.output.exists() else (0, 1)
 
     @property
     def done(self) -> bool:
+        if self.unneeded:
+            return True
         got, need = self.progress()
         return got >= need
 
@@ -100,13 +114,17 @@ _ID = re.compile(r'"id": ("(?:[^"\\]|\\.)*")')
 
 
 def _ids(p: Path) -> set:
-    """The trace ids of the complete lines of one cell file (cached by size and modification time: the
-    driver looks at every cell file after each job)."""
+    """The trace ids of the complete lines of one cell file, or of a kept summary (`.json`) (cached by size and
+    modification time: the driver looks at every cell file after each job)."""
     st = p.stat()
     hit = _SEEN.get(p)
     if hit is not None and hit[:2] == (st.st_mtime_ns, st.st_size):
         return hit[2]
     ids = set()
+    if p.suffix == ".json":
+        ids = set(json.loads(p.read_text())["per_trace"])
+        _SEEN[p] = (st.st_mtime_ns, st.st_size, ids)
+        return ids
     for line in p.read_text().splitlines():
         m = _ID.search(line[:2000]) if line.endswith("}") else None  # a line cut by a killed run has no "}"
         if m:
@@ -130,6 +148,7 @@ class Plan:
     def __init__(self, args):
         self.a = args
         self.root = Path(args.root)
+        self.keep = Path(args.keep) if args.keep else None
         self.data = args.data or os.environ.get("KVCOMPOSE_GSM8K")
         self.lists = method_lists()
         self.estimate = json.loads(Path(args.estimate).read_text()) if Path(args.estimate).exists() else {}
@@ -141,7 +160,119 @@ class Plan:
         self.kvpress = self._has_kvpress()
         self.model = ["--model", args.model] if args.model else []
         self.jobs: dict[str, Job] = {}
+        self.restore()
         self.build()
+
+    # -- the kept record -----------------------------------------------------------------------------------
+    # `ROOT` (git-ignored) holds what is large or rebuilt cheaply: references (~75 MB a set), logs, per-token cell
+    # files. The record of what cost CPU hours is small and committed (`--keep`, docs/results/fidelity33/kept): per
+    # set its traces, `run.json` (command, versions) and one summary per cell (per-trace mean KL and top-1, what
+    # the tables read); the calibration profiles and the target's choice beside them. A fresh checkout resumes from
+    # it: the traces are copied back (so references are rebuilt on the very tokens the kept cells scored) and a
+    # cell whose summary holds every prompt is done.
+    KEPT_FILES = ("calibration_questions.json", "duo.json", "lukv.json", "choice.json")
+
+    def restore(self) -> None:
+        """Copy the kept traces, profiles and choice into `ROOT` where it lacks them."""
+        if self.keep is None or not self.keep.is_dir():
+            return
+        pairs = [(self.keep / n, self.root / n) for n in self.KEPT_FILES]
+        pairs += [(self.keep / s / "traces.json", self.root / s / "traces.json") for s in SETS]
+        for src, dst in pairs:
+            if src.exists() and not dst.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.write_bytes(src.read_bytes())
+
+    def keep_sync(self) -> int:
+        """Write into the kept record what `ROOT` has that it lacks: traces, profiles, choice, and the summary of
+        every cell with more prompts than its kept summary. Returns the summaries written. A kept trace file that
+        differs from ROOT's stops the run: the kept cells scored the kept traces."""
+        if self.keep is None:
+            return 0
+        from fidelity_tables import cell_row, kept_summary
+
+        written = 0
+        for n in self.KEPT_FILES:
+            src, dst = self.root / n, self.keep / n
+            if src.exists() and not dst.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.write_bytes(src.read_bytes())
+        for s in SETS:
+            src, dst = self.root / s / "traces.json", self.keep / s / "traces.json"
+            if not src.exists():
+                continue
+            if dst.exists() and dst.read_bytes() != src.read_bytes():
+                raise SystemExit(f"{src} differs from the kept {dst}: the kept cells scored the kept traces "
+                                 "(remove ROOT's copy to rebuild from the kept one, or start a new --keep)")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if not dst.exists():
+                dst.write_bytes(src.read_bytes())
+            fj = self.root / s / "fidelity.json"
+            if fj.exists() and not (self.keep / s / "run.json").exists():
+                d = json.loads(fj.read_text())
+                (self.keep / s / "run.json").write_text(json.dumps(
+                    {"config": {"command": d.get("config", {}).get("command", "")}, "versions": d.get("versions", {}),
+                     "selection": d.get("selection")}, indent=1))
+            for cell in sorted((self.root / s / "cells").glob("*.jsonl")):
+                row = cell_row(cell)
+                k = self.keep / s / f"{cell.stem}.json"
+                if row is None or (k.exists() and len(_ids(k)) >= len(row["per_trace"])):
+                    continue
+                k.write_text(json.dumps(kept_summary(row), indent=0))
+                written += 1
+        return written
+
+    def adopt(self, per_trace: Path, set_name: str) -> int:
+        """Kept summaries from the `per_trace.json` of earlier tables (`fidelity_tables.py`: per-trace mean KL and
+        top-1 rounded to 6 and 5 decimals) for the cells the record lacks, when that run's cells and this one's
+        agree: every cell both hold must match on every trace (KL within 2e-6, top-1 within 2e-5, at least one
+        complete cell compared), which shows the traces and references rebuilt here are those it scored."""
+        from fidelity_tables import cell_row
+
+        d = json.loads(per_trace.read_text())
+        name = {"reported": "reported", "heldout": "held out", "explore": "exploration"}[set_name]
+        old = d.get(name) or d.get(set_name)
+        if not old:
+            raise SystemExit(f"{per_trace} has no {name!r} set")
+        compared, checked = 0, set()
+        for cell in sorted((self.root / set_name / "cells").glob("*.jsonl")):
+            row = cell_row(cell)
+            key = f"{'kvcompose' if row and row['engine'] == 'kvcompose' else 'kvpress'} | {row and row['method']} | " \
+                  f"{row and row['budget']}"
+            if row is None or key not in old:
+                continue
+            for p in row["per_trace"]:
+                if p["id"] not in old[key]:
+                    continue
+                kl, t1 = old[key][p["id"]]
+                if abs(p["kl_mean"] - kl) > 2e-6 or abs(p["top1"] - t1) > 2e-5:
+                    raise SystemExit(f"{key} on {p['id']}: this run {p['kl_mean']:.7g} / {p['top1']:.6g}, "
+                                     f"{per_trace} {kl} / {t1}: not the same computation, nothing adopted")
+            if len(row["per_trace"]) >= min(len(v) for v in old.values()):
+                compared += 1
+                checked.add(row["method"])
+        if not compared:
+            raise SystemExit(f"no complete cell of {self.root / set_name} is in {per_trace}: run one first "
+                             "(e.g. run --select streaming_llm), then adopt")
+        written = 0
+        for key, per in old.items():
+            engine, method, budget = key.split(" | ")
+            if engine != "kvcompose":
+                continue  # kvpress's cell files carry its version in their name: rerun them
+            if method in CALIBRATED and method not in checked:
+                continue  # scored with a calibration profile: adopted only where a cell of it agreed
+            b = None if budget == "None" else int(budget)
+            k = self.keep / set_name / f"kvcompose__{_safe(method, b)}.json"
+            if k.exists():
+                continue
+            k.parent.mkdir(parents=True, exist_ok=True)
+            k.write_text(json.dumps({"engine": "kvcompose", "method": method, "budget": b, "kind": "sampled",
+                                     "per_trace": per, "adopted": str(per_trace.relative_to(REPO)
+                                                                      if per_trace.is_relative_to(REPO) else per_trace)},
+                                    indent=0))
+            written += 1
+        print(f"{compared} complete cells agree with {per_trace}; {written} kept summaries adopted from it")
+        return written
 
     # -- environment --------------------------------------------------------------------------------------
     def _has_kvpress(self) -> str:
@@ -212,6 +343,13 @@ class Plan:
                 "--groups", str(self.prompts[set_name] // a.group_size), "--group-size", str(a.group_size),
                 "--pipelines", *map(str, PIPELINE_FILES), "--out", str(self.root / set_name), *self.model]
 
+    def _kept(self, set_name: str, stem: str) -> Path | None:
+        return self.keep / set_name / f"{stem}.json" if self.keep is not None else None
+
+    def _record(self, set_name: str) -> Path:
+        """The folder the tables read for a set: the kept record (a superset of ROOT's cells once synced)."""
+        return self.keep / set_name if self.keep is not None else self.root / set_name
+
     def add(self, job: Job) -> None:
         self.jobs[job.name] = job
 
@@ -273,6 +411,7 @@ class Plan:
                                                                        else []),
                              prompts=self.prompts[s],
                              cells=[root / s / "cells" / f"kvcompose__{_safe(m, b)}.jsonl" for b in a.budgets],
+                             kept=[self._kept(s, f"kvcompose__{_safe(m, b)}") for b in a.budgets],
                              cost=self.cell_cost(s, m, "kvcompose")))
             for p in presses[s]:
                 self.add(Job(f"{s}:kvpress:{p}", "cells",
@@ -281,20 +420,27 @@ class Plan:
                              deps=[f"refs-{s}"] + (["choose"] if s == "heldout" and not a.target else []),
                              prompts=self.prompts[s],
                              cells=[root / s / "cells" / f"kvpress*__{_safe(p, b)}.jsonl" for b in a.budgets],
+                             kept=[self._kept(s, f"kvpress*__{_safe(p, b)}") for b in a.budgets],
                              cost=self.cell_cost(s, p, "kvpress"), blocked=self.kvpress))
+        for s in self.sets:  # references are rebuilt only for a set with a cell left to score
+            cells = [j for j in self.jobs.values() if j.stage == "cells" and j.name.startswith(f"{s}:")]
+            if cells and all(j.done for j in cells):
+                self.jobs[f"refs-{s}"].unneeded = True
         explore_cells = [j.name for j in self.jobs.values() if j.name.startswith("explore:")]
         tables = [sys.executable, str(HERE / "fidelity_tables.py"), "--budgets", *map(str, a.budgets), "--goal", str(a.goal)]
         if not a.target:
-            self.add(Job("choose", "choose", tables + ["--runs", str(root / "explore"), "--label", "exploration",
+            self.add(Job("choose", "choose", tables + ["--runs", str(self._record("explore")), "--label", "exploration",
                                                         "--out", str(root / "tables" / "explore"),
                                                         "--choose", str(root / "choice.json")],
                          deps=explore_cells, output=root / "choice.json", cost=10))
         out = Path(a.tables_out)
-        self.add(Job("tables", "tables", tables + ["--runs", str(root / "reported"), "--heldout", str(root / "heldout"),
+        self.add(Job("tables", "tables", tables + ["--runs", str(self._record("reported")), "--heldout",
+                                                    str(self._record("heldout")),
                                                     "--label", "reported", "--target", target or "?", "--out", str(out)],
                      deps=[j.name for j in self.jobs.values() if j.stage == "cells"], output=out / "target.md", cost=10))
         if "explore" in self.sets:
-            self.add(Job("tables-explore", "tables", tables + ["--runs", str(root / "explore"), "--label", "exploration",
+            self.add(Job("tables-explore", "tables", tables + ["--runs", str(self._record("explore")), "--label",
+                                                              "exploration",
                                                               "--target", target or "?", "--out", str(out / "explore")],
                          deps=explore_cells + ([] if a.target else ["choose"]), output=out / "explore" / "target.md",
                          cost=10))
@@ -307,8 +453,8 @@ class Plan:
         from fidelity_tables import load_rows, stats
 
         try:
-            rows, _ = load_rows([str(self.root / "reported")])
-        except FileNotFoundError:
+            rows, _ = load_rows([str(self._record("reported"))])
+        except (FileNotFoundError, KeyError):
             return list(PRESSES)
         keep = set()
         for b in self.a.budgets:
@@ -375,11 +521,15 @@ def run(plan: Plan, only: list[str] | None, dry: bool) -> int:
                 load = os.getloadavg()[0]
                 print(f"[{time.strftime('%H:%M:%S')}] {'done' if proc.returncode == 0 else f'FAILED ({proc.returncode})'} "
                       f"{name} (load {load:.1f})", flush=True)
+                n = plan.keep_sync()
+                if n:
+                    print(f"  {n} cell summaries written to the kept record {plan.keep}", flush=True)
                 if proc.returncode != 0:
                     failed[name] = proc.returncode
                 elif not plan.jobs[name].done:  # finished but incomplete: not again in this invocation
                     print(f"  {name} ended without every prompt scored (see its log)", flush=True)
                     failed[name] = 0
+    plan.keep_sync()
     plan.jobs.clear()
     plan.build()
     left = [j for j in plan.jobs.values() if not j.done and (not only or j.stage in only)]
@@ -392,8 +542,11 @@ def run(plan: Plan, only: list[str] | None, dry: bool) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["plan", "run", "estimate"])
+    p.add_argument("command", choices=["plan", "run", "estimate", "keep", "adopt"])
     p.add_argument("--root", default="runs/f33", help="where traces, references, cells and logs go (default runs/f33)")
+    p.add_argument("--keep", default=str(REPO / "docs" / "results" / "fidelity33" / "kept"),
+                   help="the committed record a fresh checkout resumes from: traces, profiles, per-cell summaries "
+                   "(default docs/results/fidelity33/kept; '' for none)")
     default_py = REPO / ".venv-tf52" / "bin" / "python"
     p.add_argument("--python", default=str(default_py) if default_py.exists() else sys.executable,
                    help="the python every job runs (default .venv-tf52/bin/python if it exists: kvpress needs "
@@ -418,6 +571,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="+", choices=STAGES, default=None, help="run only these stages")
     p.add_argument("--dry-run", action="store_true", help="print the commands run would start")
     p.add_argument("--poll", type=float, default=5.0, help=argparse.SUPPRESS)
+    p.add_argument("--per-trace", default=str(REPO / "docs" / "results" / "fidelity33" / "interim" / "per_trace.json"),
+                   help="adopt: the per_trace.json of earlier tables")
+    p.add_argument("--set", default="reported", choices=SETS, help="adopt: the prompt set of --per-trace")
     p.add_argument("--force", action="store_true", help="run under another transformers than the folder's first run")
     p.add_argument("--estimate", default=str(REPO / "docs" / "results" / "fidelity33" / "estimate.json"),
                    help="timed sample the plan's costs come from (written by the estimate command)")
@@ -433,6 +589,13 @@ def main(argv=None) -> int:
     plan = Plan(args)
     if args.command == "plan":
         plan.show()
+        return 0
+    if args.command == "keep":
+        print(f"{plan.keep_sync()} cell summaries written to {plan.keep}")
+        return 0
+    if args.command == "adopt":
+        plan.keep_sync()
+        plan.adopt(Path(args.per_trace), args.set)
         return 0
     plan.check_env()
     return run(plan, args.only, args.dry_run)

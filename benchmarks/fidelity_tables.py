@@ -44,13 +44,19 @@ def _engine(e: str) -> str:
 
 
 def load_rows(folders: list[str]) -> tuple[dict[tuple[str, str, int | None], dict], list[dict]]:
-    """`{(engine, method, budget): row}` (engine "kvcompose" or "kvpress") and the runs' metadata."""
+    """`{(engine, method, budget): row}` (engine "kvcompose" or "kvpress") and the runs' metadata. A folder is a
+    `kvcompose bench fidelity` run (its `fidelity.json`, or its `cells/*.jsonl` when it has them) or a kept
+    record of one (`run.json` and one summary per cell: `benchmarks/fidelity33.py --keep`)."""
     rows: dict[tuple[str, str, int | None], dict] = {}
     meta = []
     for f in folders:
-        d = json.loads((Path(f) / "fidelity.json").read_text())
-        if (Path(f) / "cells").is_dir():  # the cells are the record (processes writing into one folder at once
-            d["rows"] = cell_rows(Path(f) / "cells")  # each rewrite fidelity.json with the rows they know)
+        if (Path(f) / "run.json").exists() and not (Path(f) / "fidelity.json").exists():
+            d = json.loads((Path(f) / "run.json").read_text())
+            d["rows"] = kept_rows(Path(f))
+        else:
+            d = json.loads((Path(f) / "fidelity.json").read_text())
+            if (Path(f) / "cells").is_dir():  # the cells are the record (processes writing into one folder at once
+                d["rows"] = cell_rows(Path(f) / "cells")  # each rewrite fidelity.json with the rows they know)
         meta.append({"folder": Path(f).name, "command": d.get("config", {}).get("command", ""),
                      "versions": d.get("versions", {}), "selection": d.get("selection"),
                      "engines": sorted({r["engine"] for r in d["rows"]})})
@@ -61,22 +67,43 @@ def load_rows(folders: list[str]) -> tuple[dict[tuple[str, str, int | None], dic
     return rows, meta
 
 
+def cell_row(path: Path) -> dict | None:
+    """The row (engine, method, budget, per-trace KL and top-1) of one `cells/*.jsonl` file of a fidelity run: one
+    line per finished trace, so an unfinished cell gives the prompts its finished batches scored; None if empty."""
+    per, head = {}, None
+    for line in path.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a killed run
+            continue
+        head = d
+        per[d["id"]] = {"id": d["id"], "kl_mean": sum(d["kl"]) / len(d["kl"]), "top1": sum(d["top1"]) / len(d["top1"])}
+    if head is None:
+        return None
+    return {"engine": head["engine"], "method": head["method"], "budget": head["budget"],
+            "kind": head.get("kind", "sampled"), "per_trace": list(per.values())}
+
+
 def cell_rows(cells: Path) -> list[dict]:
-    """Rows (engine, method, budget, per-trace KL and top-1) from the `cells/*.jsonl` of a fidelity run: one
-    line per finished trace, so an unfinished cell gives the prompts its finished batches scored."""
+    """The rows of every `cells/*.jsonl` of a fidelity run (`cell_row`)."""
+    return [r for path in sorted(cells.glob("*.jsonl")) if (r := cell_row(path)) is not None]
+
+
+def kept_summary(row: dict) -> dict:
+    """A row as the kept record stores it: `per_trace` as `{trace id: [mean KL, top-1]}` (what the tables read)."""
+    return {k: row[k] for k in ("engine", "method", "budget", "kind")} | {
+        "per_trace": {p["id"]: [p["kl_mean"], p["top1"]] for p in row["per_trace"]}}
+
+
+def kept_rows(folder: Path) -> list[dict]:
+    """The rows of a kept record (one `kept_summary` per `*.json` file but `run.json` and `traces.json`)."""
     rows = []
-    for path in sorted(cells.glob("*.jsonl")):
-        per, head = {}, None
-        for line in path.read_text().splitlines():
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a killed run
-                continue
-            head = d
-            per[d["id"]] = {"id": d["id"], "kl_mean": sum(d["kl"]) / len(d["kl"]), "top1": sum(d["top1"]) / len(d["top1"])}
-        if head is not None:
-            rows.append({"engine": head["engine"], "method": head["method"], "budget": head["budget"],
-                         "kind": head.get("kind", "sampled"), "per_trace": list(per.values())})
+    for path in sorted(folder.glob("*.json")):
+        if path.name in ("run.json", "traces.json"):
+            continue
+        d = json.loads(path.read_text())
+        rows.append({k: d[k] for k in ("engine", "method", "budget", "kind")} | {
+            "per_trace": [{"id": i, "kl_mean": v[0], "top1": v[1]} for i, v in d["per_trace"].items()]})
     return rows
 
 

@@ -25,8 +25,8 @@ def questions(tmp_path_factory):
 
 
 def test_driver_runs_every_stage_and_resumes(tiny_dir, questions, tmp_path, capsys):
-    root, tables = tmp_path / "root", tmp_path / "tables"
-    args = ["--root", str(root), "--model", tiny_dir, "--data", questions, "--python", sys.executable, "--tokens", "24",
+    root, tables, keep = tmp_path / "root", tmp_path / "tables", tmp_path / "keep"
+    args = ["--root", str(root), "--keep", str(keep), "--model", tiny_dir, "--data", questions, "--python", sys.executable, "--tokens", "24",
             "--budgets", "40", "48", "--interval", "8", "--group-size", "2", "--groups", "1", "--explore-groups", "0",
             "--select", "h2o", "snapkv", "--presses", "--target", "h2o", "--tables-out", str(tables),
             "--estimate", str(tmp_path / "none.json"), "--poll", "0.2"]
@@ -47,6 +47,7 @@ def test_driver_runs_every_stage_and_resumes(tiny_dir, questions, tmp_path, caps
     cell = root / "reported" / "cells" / "kvcompose__snapkv__48.jsonl"
     first = json.loads(cell.read_text().splitlines()[0])
     cell.write_text(cell.read_text().splitlines()[0][:40])  # a run killed in the middle of the batch's line
+    (keep / "reported" / "kvcompose__snapkv__48.json").unlink()  # ... before the driver kept it
     (tables / "target.md").unlink()
     assert fidelity33.main(["run", *args]) == 0
     out = capsys.readouterr().out
@@ -57,6 +58,41 @@ def test_driver_runs_every_stage_and_resumes(tiny_dir, questions, tmp_path, caps
     again = _read_cell(cell)[1]
     assert len(again) == 2 and again[first["id"]].kl == pytest.approx(first["kl"], abs=1e-6)
 
+    # a fresh machine: ROOT gone, the kept record left. Nothing is scored again; the tables come from the record
+    import shutil
+
+    kept = {p.relative_to(keep): p.read_bytes() for p in keep.rglob("*.json")}
+    assert keep / "reported" / "traces.json" in {keep / k for k in kept} and (keep / "heldout" / "run.json").exists()
+    summary = json.loads((keep / "reported" / "kvcompose__snapkv__48.json").read_text())
+    assert summary["per_trace"][first["id"]][0] == pytest.approx(sum(first["kl"]) / len(first["kl"]), rel=1e-9)
+    scored = cell.read_text()
+    shutil.rmtree(root)
+    shutil.rmtree(tables)
+    assert fidelity33.main(["run", *args]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(" start ")[1].split(" ")[0] for line in out.splitlines() if " start " in line] == [
+        "tables"], out
+    assert (tables / "main.md").read_text() == main
+    assert (root / "reported" / "traces.json").read_bytes() == kept[keep.relative_to(keep) / "reported" / "traces.json"]
+
+    # adopt: summaries of earlier tables' per_trace.json, only where a cell run here agrees with them
+    per_trace = tables / "per_trace.json"
+    (keep / "reported" / "kvcompose__h2o__40.json").unlink()
+    with pytest.raises(SystemExit, match="no complete cell"):  # nothing of ROOT's to compare
+        fidelity33.main(["adopt", *args, "--per-trace", str(per_trace)])
+    d = json.loads(per_trace.read_text())
+    cell.parent.mkdir(parents=True, exist_ok=True)
+    cell.write_text(scored)  # ROOT's snapkv@48 cell as it was scored (a cell run again on the rebuilt traces)
+    assert fidelity33.main(["adopt", *args, "--per-trace", str(per_trace)]) == 0
+    back = json.loads((keep / "reported" / "kvcompose__h2o__40.json").read_text())
+    assert back["per_trace"] == d["reported"]["kvcompose | h2o | 40"] and "adopted" in back
+    (keep / "reported" / "kvcompose__h2o__40.json").unlink()
+    d["reported"]["kvcompose | snapkv | 48"][first["id"]][0] += 1e-4  # another computation: refused
+    per_trace.write_text(json.dumps(d))
+    with pytest.raises(SystemExit, match="not the same computation"):
+        fidelity33.main(["adopt", *args, "--per-trace", str(per_trace)])
+    assert not (keep / "reported" / "kvcompose__h2o__40.json").exists()
+
     env = root / "environment.json"  # another transformers would mix its cells with these: refused
     env.write_text(json.dumps({**json.loads(env.read_text()), "transformers": "0.0"}))
     with pytest.raises(SystemExit, match="transformers 0.0"):
@@ -66,7 +102,7 @@ def test_driver_runs_every_stage_and_resumes(tiny_dir, questions, tmp_path, caps
 def test_plan_lists_every_cell(tiny_dir, questions, tmp_path, capsys):
     """Without a chosen target the held-out pipeline waits for `choose`; every preset, ported preset,
     composition and press has its job; duo_attention and lukv wait for their calibration."""
-    assert fidelity33.main(["plan", "--root", str(tmp_path / "r"), "--data", questions, "--python", sys.executable,
+    assert fidelity33.main(["plan", "--root", str(tmp_path / "r"), "--keep", "", "--data", questions, "--python", sys.executable,
                             "--estimate", str(tmp_path / "none.json")]) == 0
     out = capsys.readouterr().out
     from kvcompose import methods
