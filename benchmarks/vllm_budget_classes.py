@@ -32,19 +32,14 @@ def classes(method: str, layers: int, heads: int, budget: int, block: int) -> di
     a request holds with one KV-cache group and with one group per budget class."""
     from kvcompose import methods
     from kvcompose.allocators.heads import HeadUtility
+    from kvcompose.integrations.vllm.rules import head_bounds
 
     pipe = methods.preset(method)
     alloc = pipe.allocator
     lay = alloc.layers if isinstance(alloc, HeadUtility) else alloc
     per_layer = [lay.layer_budget(i, layers, budget, None) for i in range(layers)] if hasattr(lay, "layer_budget") \
         else [budget] * layers
-    if pipe.selector is not None and pipe.selector.ragged:  # one head may take the layer's total, less the other
-        # heads' floors when every head's budget is the layer's (`Selector.head_bound`)
-        head_max = [pipe.selector.head_bound(b, heads) if alloc.uniform else heads * b for b in per_layer]
-    elif isinstance(alloc, HeadUtility):  # the layer's total less the other heads' floors (`head_bound`)
-        head_max = [alloc.head_bound(b, heads) for b in per_layer]
-    else:
-        head_max = per_layer
+    head_max = head_bounds(pipe, layers, budget, heads)  # what the vLLM scheduler reserves for, per layer
     uniform = layers * _up(budget, block)
     one_group = layers * _up(max(head_max), block)  # every layer and head holds the largest bound's blocks
     layers_only = layers * _up(max(per_layer), block)  # the same if heads kept their layer's budget

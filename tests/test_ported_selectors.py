@@ -211,3 +211,23 @@ def test_chunkkv_matches_loop_reference():
     for (b, h), slots in ref.items():
         assert [int(x) for x in sel.kept[b, h] if x >= 0] == slots, (b, h)
     assert pipe.paged and isinstance(pipe.selector.inner, TopK)
+
+
+def test_head_bounds_per_layer_are_what_each_block_promises():
+    """`rules.head_bounds` (what vLLM's scheduler reserves for, per layer) is the layer budget for a uniform
+    pipeline, the selector's `head_bound` for a ragged one (AdaKV) and the allocator's for a head-wise one."""
+    from kvcompose import methods
+    from kvcompose.integrations.vllm.rules import head_bounds
+
+    layers, heads, budget = 30, 3, 256  # SmolLM2-135M's shape (ReasonAlloc ships its profile)
+    assert head_bounds(methods.preset("rkv"), layers, budget, heads) == [budget] * layers
+    ada = methods.preset("adakv")
+    floor = ada.selector.floor_count(budget)
+    assert floor == int(budget * ada.selector.floor) and head_bounds(ada, layers, budget, heads) == \
+        [heads * budget - (heads - 1) * floor] * layers
+    pyr = methods.preset("pyramid_rkv")
+    assert head_bounds(pyr, layers, budget, heads) == [int(b) for b in pyr.allocator.layer_budgets(layers, budget)]
+    ra = methods.preset("reason_alloc")
+    got = head_bounds(ra, layers, budget, heads)
+    assert got == [ra.allocator.head_bound(int(b), heads) for b in ra.allocator.layer_budgets(layers, budget)]
+    assert max(got) > max(int(b) for b in ra.allocator.layer_budgets(layers, budget))  # one head may take more

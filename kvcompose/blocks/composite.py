@@ -120,11 +120,17 @@ class CompositeTokens(Selector):
     def priority(self, scores, valid, generator):
         return scores
 
+    def _floor(self, budget: Int[Tensor, "*S"]) -> Int[Tensor, "*S"]:
+        """The floor before the cap at the budget: a share of `budget` (truncated) or a count, at least 1 (the one
+        rule `counts` and `floor_count` both use)."""
+        if isinstance(self.floor, float):
+            return (budget.double() * self.floor).long().clamp(min=1)
+        return torch.full_like(budget, max(int(self.floor), 1))
+
     def floor_count(self, budget: int) -> int:
         """Tokens every head keeps at least when its budget is `budget` and it holds that many (unstructured): the
         floor (a share of `budget`, or a count), at least 1, at most `budget`."""
-        lo = int(budget * self.floor) if isinstance(self.floor, float) else int(self.floor)
-        return min(max(lo, 1), budget)
+        return min(int(self._floor(torch.tensor(int(budget)))), int(budget))
 
     def head_bound(self, budget: int, heads: int) -> int:
         """Unstructured: the layer's total less the floor every other head keeps, `heads * budget - (heads - 1) *
@@ -144,10 +150,7 @@ class CompositeTokens(Selector):
             # like TopK, a head with fewer real tokens than its budget keeps padding slots too (dense rows stay equal)
             return budget.amin(-1, keepdim=True).expand(b, h).clamp(min=1, max=t)
         # unstructured: a global top-(total) over the row's (head, token) pairs, protected and floor first
-        if isinstance(self.floor, float):
-            lo = (budget.double() * self.floor).long().clamp(min=1)
-        else:
-            lo = torch.full_like(n_real, max(self.floor, 1))
+        lo = self._floor(budget)
         # the floor counts the head's protected tokens and never exceeds its budget: what every head is forced to
         # keep then fits in the row's total (a floor on top of the protected tokens kept 13 of a total of 12)
         n_prot = (protected & valid).sum(-1)

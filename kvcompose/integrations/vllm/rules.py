@@ -164,16 +164,22 @@ def check_pipeline(pipeline: Pipeline) -> None:
         raise KVComposeError(f"{name} derives budgets without one ({alloc!r}); the vLLM route needs a fixed budget")
 
 
-def _held_bound(pipeline: Pipeline, num_layers: int, budget: int, block_size: int, heads: int | None) -> int:
+def head_bounds(pipeline: Pipeline, num_layers: int, budget: int, heads: int | None) -> list[int]:
+    """The most tokens one KV head can keep, per layer (`num_layers` ints), at mean budget `budget`: the layer's
+    budget; for a ragged selector (`Selector.head_bound`) the layer's total less the other heads' floors when every
+    head's budget is the layer's, else the layer's total `heads * b`; for a head-wise allocator its `head_bound`.
+    What the vLLM scheduler reserves blocks for (`Settings.held_bound`, rounded up to blocks)."""
     alloc = pipeline.allocator
     budgets = [int(b) for b in alloc.layer_budgets(num_layers, budget)]
-    if pipeline.selector is not None and pipeline.selector.ragged:  # a head keeps at most its layer's total, less
-        # the floor of the others when every head's budget is the layer's (a uniform allocator)
-        top = max(pipeline.selector.head_bound(b, heads) if alloc.uniform else heads * b for b in budgets)
-    elif not alloc.uniform:
-        top = max(int(alloc.head_bound(b, heads)) for b in budgets)
-    else:
-        top = max(budgets)
+    if pipeline.selector is not None and pipeline.selector.ragged:
+        return [int(pipeline.selector.head_bound(b, heads)) if alloc.uniform else heads * b for b in budgets]
+    if not alloc.uniform:
+        return [int(alloc.head_bound(b, heads)) for b in budgets]
+    return budgets
+
+
+def _held_bound(pipeline: Pipeline, num_layers: int, budget: int, block_size: int, heads: int | None) -> int:
+    top = max(head_bounds(pipeline, num_layers, budget, heads))
     return -(-top // block_size) * block_size
 
 
