@@ -66,6 +66,7 @@ def test_driver_runs_every_stage_and_resumes(tiny_dir, questions, tmp_path, caps
     summary = json.loads((keep / "reported" / "kvcompose__snapkv__48.json").read_text())
     assert summary["per_trace"][first["id"]][0] == pytest.approx(sum(first["kl"]) / len(first["kl"]), rel=1e-9)
     scored = cell.read_text()
+    full = (root / "reported" / "cells" / "kvcompose__full__None.jsonl").read_text()
     shutil.rmtree(root)
     shutil.rmtree(tables)
     assert fidelity33.main(["run", *args]) == 0
@@ -80,8 +81,11 @@ def test_driver_runs_every_stage_and_resumes(tiny_dir, questions, tmp_path, caps
     (keep / "reported" / "kvcompose__h2o__40.json").unlink()
     with pytest.raises(SystemExit, match="no complete cell"):  # nothing of ROOT's to compare
         fidelity33.main(["adopt", *args, "--per-trace", str(per_trace)])
-    d = json.loads(per_trace.read_text())
     cell.parent.mkdir(parents=True, exist_ok=True)
+    (cell.parent / "kvcompose__full__None.jsonl").write_text(full)  # KL ~0 on any traces: shows nothing
+    with pytest.raises(SystemExit, match="no complete cell"):
+        fidelity33.main(["adopt", *args, "--per-trace", str(per_trace)])
+    d = json.loads(per_trace.read_text())
     cell.write_text(scored)  # ROOT's snapkv@48 cell as it was scored (a cell run again on the rebuilt traces)
     assert fidelity33.main(["adopt", *args, "--per-trace", str(per_trace)]) == 0
     back = json.loads((keep / "reported" / "kvcompose__h2o__40.json").read_text())
