@@ -140,6 +140,13 @@ def _count(path: Path) -> int:
     return len(set().union(*(_ids(p) for p in files)))
 
 
+def _copy_new(src: Path, dst: Path) -> None:
+    """Copy `src` to `dst` if `src` exists and `dst` does not."""
+    if src.exists() and not dst.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(src.read_bytes())
+
+
 def _safe(method: str, budget) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", f"{method}__{budget}")
 
@@ -176,12 +183,10 @@ class Plan:
         """Copy the kept traces, profiles and choice into `ROOT` where it lacks them."""
         if self.keep is None or not self.keep.is_dir():
             return
-        pairs = [(self.keep / n, self.root / n) for n in self.KEPT_FILES]
-        pairs += [(self.keep / s / "traces.json", self.root / s / "traces.json") for s in SETS]
-        for src, dst in pairs:
-            if src.exists() and not dst.exists():
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                dst.write_bytes(src.read_bytes())
+        for n in self.KEPT_FILES:
+            _copy_new(self.keep / n, self.root / n)
+        for s in SETS:
+            _copy_new(self.keep / s / "traces.json", self.root / s / "traces.json")
 
     def keep_sync(self) -> int:
         """Write into the kept record what `ROOT` has that it lacks: traces, profiles, choice, and the summary of
@@ -193,10 +198,7 @@ class Plan:
 
         written = 0
         for n in self.KEPT_FILES:
-            src, dst = self.root / n, self.keep / n
-            if src.exists() and not dst.exists():
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                dst.write_bytes(src.read_bytes())
+            _copy_new(self.root / n, self.keep / n)
         for s in SETS:
             src, dst = self.root / s / "traces.json", self.keep / s / "traces.json"
             if not src.exists():
@@ -204,9 +206,7 @@ class Plan:
             if dst.exists() and dst.read_bytes() != src.read_bytes():
                 raise SystemExit(f"{src} differs from the kept {dst}: the kept cells scored the kept traces "
                                  "(remove ROOT's copy to rebuild from the kept one, or start a new --keep)")
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            if not dst.exists():
-                dst.write_bytes(src.read_bytes())
+            _copy_new(src, dst)
             fj = self.root / s / "fidelity.json"
             if fj.exists() and not (self.keep / s / "run.json").exists():
                 d = json.loads(fj.read_text())
@@ -263,7 +263,7 @@ class Plan:
                 continue  # scored with a calibration profile: adopted only where a cell of it agreed
             b = None if budget == "None" else int(budget)
             k = self.keep / set_name / f"kvcompose__{_safe(method, b)}.json"
-            if k.exists():
+            if k.exists() and len(_ids(k)) >= len(per):  # a cell scored here, or a summary with as many prompts
                 continue
             k.parent.mkdir(parents=True, exist_ok=True)
             k.write_text(json.dumps({"engine": "kvcompose", "method": method, "budget": b, "kind": "sampled",
