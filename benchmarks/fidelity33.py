@@ -237,9 +237,10 @@ class Plan:
         compared, checked = 0, set()
         for cell in sorted((self.root / set_name / "cells").glob("*.jsonl")):
             row = cell_row(cell)
-            key = f"{'kvcompose' if row and row['engine'] == 'kvcompose' else 'kvpress'} | {row and row['method']} | " \
-                  f"{row and row['budget']}"
-            if row is None or key not in old or row["method"] == "full":  # full: KL ~1e-7 whatever the traces
+            if row is None or row["method"] == "full":  # full: KL ~1e-7 whatever the traces
+                continue
+            key = f"{'kvcompose' if row['engine'] == 'kvcompose' else 'kvpress'} | {row['method']} | {row['budget']}"
+            if key not in old:
                 continue
             for p in row["per_trace"]:
                 if p["id"] not in old[key]:

@@ -31,14 +31,10 @@ def classes(method: str, layers: int, heads: int, budget: int, block: int) -> di
     """The layer budgets and per-(layer, head) bounds of `method` at mean `budget`, and the tokens per KV head
     a request holds with one KV-cache group and with one group per budget class."""
     from kvcompose import methods
-    from kvcompose.allocators.heads import HeadUtility
     from kvcompose.integrations.vllm.rules import head_bounds
 
     pipe = methods.preset(method)
-    alloc = pipe.allocator
-    lay = alloc.layers if isinstance(alloc, HeadUtility) else alloc
-    per_layer = [lay.layer_budget(i, layers, budget, None) for i in range(layers)] if hasattr(lay, "layer_budget") \
-        else [budget] * layers
+    per_layer = [int(b) for b in pipe.allocator.layer_budgets(layers, budget)]  # the static schedule vLLM runs
     head_max = head_bounds(pipe, layers, budget, heads)  # what the vLLM scheduler reserves for, per layer
     uniform = layers * _up(budget, block)
     one_group = layers * _up(max(head_max), block)  # every layer and head holds the largest bound's blocks
