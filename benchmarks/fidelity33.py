@@ -329,8 +329,12 @@ class Plan:
         n, tok = self.prompts[set_name], self.a.tokens
         factor = self.estimate.get("budget_factor", {})
         f = sum(factor.get(str(b), 1.0) for b in self.a.budgets)
-        if engine == "kvpress":  # one token per forward: the trace's tokens
-            return n * tok * self.estimate.get("kvpress_per_token", 0.015) * len(self.a.budgets) + 20
+        if engine == "kvpress":  # the trace's tokens, one per forward, or `interval` per forward (CHUNKABLE)
+            from kvcompose.bench.kvpress_fidelity import CHUNKABLE
+
+            key = "kvpress_chunks_per_token" if method in CHUNKABLE and "kvpress_chunks_per_token" in self.estimate \
+                else "kvpress_per_token"
+            return n * tok * self.estimate.get(key, 0.015) * len(self.a.budgets) + 20
         # teacher forcing in chunks: the prompt's and the trace's tokens; + loading the model and the references
         return n * (tok + self.estimate.get("prompt_tokens", 90)) * self.per_token(method) * f + 20
 

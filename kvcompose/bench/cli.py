@@ -64,6 +64,9 @@ def add_parser(sub, add_model_flags: Callable[[argparse.ArgumentParser], None], 
                    help="skip the prompt-recall probe after each trace (about a third of a 256-token row's cost)")
     f.add_argument("--kvpress-inprocess", action="store_true",
                    help="run --kvpress-presses in this process (kvpress installed here; transformers 5.2), batched")
+    f.add_argument("--kvpress-one-token", action="store_true",
+                   help="in process: feed every press one trace token per forward call (default: the presses whose "
+                   "scores do not depend on it, kvpress_fidelity.CHUNKABLE, get `--interval` tokens per call)")
     f.add_argument("--short-budgets", nargs="*", type=int, default=[64, 128],
                    help="budgets of the short regime (below the prompt length), scored on the first --short-tokens "
                    "trace tokens (default 64 128)")
@@ -177,6 +180,7 @@ def run(args, argv: list[str]) -> int:
             kvpress_kinds=args.kvpress_kinds, kvpress_max_steps=args.kvpress_max_steps,
             kvpress_max_items=args.kvpress_max_items, kvpress_parallel=not args.kvpress_sequential,
             kvpress_json=args.kvpress_json, traces=args.traces, kvpress_inprocess=args.kvpress_inprocess,
+            kvpress_chunks=not args.kvpress_one_token,
             batch_size=args.batch_size, groups=args.groups, group_size=args.group_size, select_seed=args.select_seed,
             exclude=args.exclude, pipelines=args.pipelines, references=args.references, recall=not args.no_recall,
             threads=args.threads, out=args.out, command=command,

@@ -3,8 +3,12 @@ traces and full-cache references: both libraries in one environment (kvpress 0.5
 so that environment has transformers 5.2; `pip install "transformers==5.2.*" kvpress==0.5.5`).
 
 Protocol (what kvpress's `DecodingPress` is built for): prefill the prompt, then one forward call per trace
-token, inside `with DecodingPress(base_press, compression_interval, target_size)(model):`. The press
-counts forward calls, so the trace cannot be fed in chunks; a batch of rows shares each forward call.
+token, inside `with DecodingPress(base_press, compression_interval, target_size)(model):`; a batch of rows
+shares each forward call. The press counts forward calls, not tokens, so for the presses in `CHUNKABLE`
+(whose scores do not depend on how the tokens since the last compression were fed) the bench feeds a chunk
+of `compression_interval` tokens per call to the same press built with `compression_interval=1`: the same
+compressions at the same tokens, with the same scores (to float rounding), at a fraction of the cost of one
+call per token (`evaluate_press_batch(..., chunk=...)`); the others run one token per call.
 
 Batching: kvpress's presses score every slot of the cache, padding included, and keep the same number of
 slots in every row, so a left-padded batch is not the same computation as its rows alone. Rows are
@@ -33,7 +37,7 @@ from ..view import KVComposeError
 from .fidelity import HiddenReference, RowScores, TraceScore, _decoder, _device, hidden_references
 from ..traces import Trace
 
-__all__ = ["PRESSES", "press_names", "base_press", "sorted_press", "make_press", "press_batches", "evaluate_press_batch",
+__all__ = ["PRESSES", "CHUNKABLE", "press_names", "base_press", "sorted_press", "make_press", "press_batches", "evaluate_press_batch",
            "kvpress_version"]
 
 
@@ -105,6 +109,18 @@ def sorted_press(press):
 PRESSES["snapkv(sorted)"] = lambda kp, seed: sorted_press(kp.SnapKVPress(window_size=16))
 
 
+# Presses whose decoding compression gives the same scores when the trace is fed `interval` tokens per forward
+# call to a `DecodingPress(compression_interval=1)` as when it is fed one token per call at
+# `compression_interval=interval` (the protocol kvpress is built for): their scores read the cache's keys and
+# values, the buffered hidden states and at most the last position's rotary angles, which are the same either
+# way. SnapKV's window (and PyramidKV's and CriticalKV's, built on it) rotates its buffered queries by the call's
+# `position_embeddings[:, -window:]`: one token per call gives one position, so kvpress rotates every window
+# query by the last token's angle, and a chunk would rotate each by its own: other scores, so those presses run
+# one token per call. tests/test_kvpress_fidelity.py holds both halves (equal scores at every compression for
+# these, different scores for SnapKV).
+CHUNKABLE = frozenset({"streaming_llm", "knorm", "random", "tova", "expected_attention", "keydiff", "lagkv", "cur", "cap"})
+
+
 def press_names() -> list[str]:
     return list(PRESSES)
 
@@ -116,11 +132,19 @@ def base_press(name: str, seed: int = 0):
     return PRESSES[name](_kvpress(), seed)
 
 
-def make_press(name: str, budget: int, interval: int = 64, seed: int = 0, hidden_states_buffer_size: int = 256):
-    """`DecodingPress(base_press(name), compression_interval=interval, target_size=budget)`."""
+def make_press(name: str, budget: int, interval: int = 64, seed: int = 0, hidden_states_buffer_size: int = 256,
+               chunked: bool = False):
+    """`DecodingPress(base_press(name), compression_interval=interval, target_size=budget)`; `chunked=True`
+    builds it with `compression_interval=1` for `evaluate_press_batch(..., chunk=interval)` (only presses in
+    `CHUNKABLE`: refused otherwise)."""
     kp = _kvpress()
-    return kp.DecodingPress(base_press=base_press(name, seed), compression_interval=interval, target_size=budget,
-                            hidden_states_buffer_size=hidden_states_buffer_size)
+    if chunked and name not in CHUNKABLE:
+        raise KVComposeError(f"kvpress's {name} cannot be fed in chunks (its decoding compression reads the forward "
+                             f"call's positions or queries); chunkable: {', '.join(sorted(CHUNKABLE))}")
+    if chunked and hidden_states_buffer_size < interval:
+        raise KVComposeError(f"hidden_states_buffer_size {hidden_states_buffer_size} < interval {interval}")
+    return kp.DecodingPress(base_press=base_press(name, seed), compression_interval=1 if chunked else interval,
+                            target_size=budget, hidden_states_buffer_size=hidden_states_buffer_size)
 
 
 def press_batches(traces: list[Trace], batch_size: int) -> list[list[Trace]]:
@@ -147,11 +171,18 @@ def _held(cache) -> tuple[int, int]:
 
 @torch.no_grad()
 def evaluate_press_batch(model, traces: list[Trace], press, references: list[HiddenReference] | None = None,
-                         score_every: int = 64, on_step: Callable[[Any, int], None] | None = None) -> list[TraceScore]:
+                         score_every: int = 64, on_step: Callable[[Any, int], None] | None = None,
+                         chunk: int = 1) -> list[TraceScore]:
     """Teacher-force a batch of traces (equal prompt and trace lengths) through a `DynamicCache` under
     `press` (a `DecodingPress`), one token per forward call for all rows, and score every row against its
     full-cache reference. `on_step(cache, t)` is called after the forward that fed trace token `t - 1`
-    (t >= 1). Returns one `TraceScore` per row (peak bytes and seconds per row: the batch's / rows)."""
+    (t >= 1; with `chunk > 1`, after each chunk). Returns one `TraceScore` per row (peak bytes and seconds
+    per row: the batch's / rows).
+
+    `chunk > 1` feeds `chunk` trace tokens per forward call to a press built with `compression_interval=1`
+    (`make_press(..., chunked=True)`): the same computation as one token per call at `compression_interval=chunk`
+    for the presses in `CHUNKABLE` only (see there), and `chunk` times fewer forward calls. The peak held
+    count is reported as the one-token protocol sees it (after each token's forward)."""
     from transformers import DynamicCache
 
     if not traces:
@@ -159,6 +190,15 @@ def evaluate_press_batch(model, traces: list[Trace], press, references: list[Hid
     if len({(len(t.prompt_ids), len(t.trace_ids)) for t in traces}) != 1:
         raise KVComposeError("kvpress batches need equal prompt and trace lengths (kvpress scores padding slots as "
                              "tokens); group them with press_batches")
+    if chunk < 1:
+        raise KVComposeError(f"chunk must be at least 1, got {chunk}")
+    if chunk > 1:
+        every = getattr(press, "compression_interval", None)
+        if every != 1:
+            raise KVComposeError(f"chunk={chunk} needs a DecodingPress with compression_interval=1 (it compresses after "
+                                 f"every chunk), got {every}: make_press(..., chunked=True)")
+        if score_every % chunk:
+            raise KVComposeError(f"chunk {chunk} must divide score_every {score_every}")
     if references is None:
         references = hidden_references(model, traces, batch_size=len(traces))
     dev = _device(model)
@@ -174,20 +214,31 @@ def evaluate_press_batch(model, traces: list[Trace], press, references: list[Hid
         buf = [dec(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state[:, -1:]]
         start = 0
         trace = torch.tensor([t.trace_ids for t in traces], dtype=torch.long, device=dev)
-        for t in range(1, n):
-            x = trace[:, t - 1 : t]
-            pos = torch.full((rows, 1), p + t - 1, dtype=torch.long, device=dev)
+        for t in range(1, n, chunk):
+            e = min(n, t + chunk)  # feeds trace tokens t-1 .. e-2
+            x = trace[:, t - 1 : e - 1]
+            pos = torch.arange(p + t - 1, p + e - 1, dtype=torch.long, device=dev).expand(rows, e - t)
+            before = _held(cache)[0] if chunk > 1 else 0
+            if chunk > 1 and e - t < chunk:  # a last partial chunk: one token per call would not compress
+                press.compression_interval = chunk + 1
             buf.append(dec(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True).last_hidden_state)
             held, nbytes = _held(cache)
+            if chunk > 1:  # the one-token protocol's count after each token: the chunk's last one compresses,
+                # a last partial chunk does not (one token per call would not reach the interval)
+                seen = before + (e - t) - (1 if e - t == chunk else 0)
+                nbytes, held = (nbytes // max(held, 1)) * max(held, seen), max(held, seen)
             peak_held, peak_bytes = max(peak_held, held), max(peak_bytes, nbytes)
             if on_step is not None:
-                on_step(cache, t)
-            if len(buf) == score_every:
-                score(start, torch.cat(buf, dim=1))
-                start += len(buf)
+                on_step(cache, e - 1)
+            if sum(b.shape[1] for b in buf) >= score_every:
+                h = torch.cat(buf, dim=1)
+                score(start, h)
+                start += h.shape[1]
                 buf = []
         if buf:
             score(start, torch.cat(buf, dim=1))
+    if chunk > 1:
+        press.compression_interval = 1
     seconds = (time.perf_counter() - t0) / rows
     full_bytes = peak_bytes and (peak_bytes // max(peak_held, 1)) * (p + n - 1)  # bytes per slot x tokens seen
     return [TraceScore(id=t.id, kind=t.kind, top1=score.top1[b], kl=score.kl[b], nll=score.nll[b],

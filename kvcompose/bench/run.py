@@ -65,6 +65,7 @@ class FidelityConfig:
     kvpress_parallel: bool = True
     kvpress_json: str | None = None
     kvpress_inprocess: bool = False  # run kvpress_presses in this process (kvpress installed here), batched
+    kvpress_chunks: bool = True  # in process: feed CHUNKABLE presses `interval` tokens per forward (same scores)
     traces: str | None = None
     batch_size: int = 1  # > 1: batched teacher forcing (kvcompose: left padding; kvpress: equal prompt lengths)
     groups: int = 0  # > 0: select_prompt_groups(groups, group_size, select_seed) instead of n_prompts/offset
@@ -125,8 +126,16 @@ def _press_rows(results: dict, engine: str, cfg: FidelityConfig, prompt_lengths:
                           "kl_mean": round(FidelityResult([t]).kl_mean, 6)} for t in scores]
             rows.append({"engine": engine, "method": m, "budget": b, "kind": kind, "regime": _regime(b, prompt_lengths),
                          "pipeline": f"DecodingPress({m}, compression_interval={cfg.interval or 64}, target_size={b})",
+                         "fed": (f"{cfg.interval or 64} tokens per call" if engine.startswith("kvpress") and
+                                 cfg.kvpress_chunks and m in _chunkable() else "one token per call"),
                          "interval": cfg.interval or 64, **r, "per_trace": per_trace})
     return rows
+
+
+def _chunkable() -> frozenset[str]:
+    from .kvpress_fidelity import CHUNKABLE
+
+    return CHUNKABLE
 
 
 def _truncate(score, n: int):
@@ -515,7 +524,7 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
         short = {k: _replace(t, recall_ids=[], recall_target_ids=[]) for k, t in short.items()}
 
     from .fidelity import evaluate_batch
-    from .kvpress_fidelity import evaluate_press_batch, make_press, press_batches
+    from .kvpress_fidelity import CHUNKABLE, evaluate_press_batch, make_press, press_batches
 
     def batches(engine: str, budget: int | None) -> list[list[Trace]]:
         items = [short[t.id] if budget in cfg.short_budgets else t for t in traces]
@@ -574,8 +583,12 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
                         scores = evaluate_batch(model, group, make, references=[refs[t.id] for t in group])
                     _save_scores(cell, scores, (engine, m, b))
                 else:
-                    press = make_press(m, b, interval=cfg.interval or 64, seed=cfg.seed)
-                    scores = evaluate_press_batch(model, group, press, [refs[t.id] for t in group])
+                    iv = cfg.interval or 64
+                    chunked = cfg.kvpress_chunks and m in CHUNKABLE
+                    press = make_press(m, b, interval=iv, seed=cfg.seed, chunked=chunked)
+                    scores = evaluate_press_batch(model, group, press, [refs[t.id] for t in group],
+                                                  chunk=iv if chunked else 1,
+                                                  score_every=iv * max(1, 64 // iv) if chunked else 64)
                     _save_scores(cell, scores, (engine, m, b))
                 for t, sc in zip(group, scores):
                     sink.setdefault((m, b, t.kind), []).append(sc)
