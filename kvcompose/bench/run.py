@@ -24,6 +24,7 @@ from .common import _DTYPES, COMPRESSING, load_model, versions  # noqa: F401
 from ..data import default_data_path, load_questions, resolve_questions
 from .cells import _cell_path, _load_scores, _read_cell, _save_scores, references_for  # noqa: F401
 from .fidelity import FidelityResult, evaluate_trace, free_generation
+from .kvpress_fidelity import CHUNKABLE
 from ..traces import RepetitionGuard, Trace, make_traces, prompt_ids
 
 __all__ = ["FidelityConfig", "run_fidelity", "select_questions", "load_model",
@@ -126,16 +127,10 @@ def _press_rows(results: dict, engine: str, cfg: FidelityConfig, prompt_lengths:
                           "kl_mean": round(FidelityResult([t]).kl_mean, 6)} for t in scores]
             rows.append({"engine": engine, "method": m, "budget": b, "kind": kind, "regime": _regime(b, prompt_lengths),
                          "pipeline": f"DecodingPress({m}, compression_interval={cfg.interval or 64}, target_size={b})",
-                         "fed": (f"{cfg.interval or 64} tokens per call" if engine.startswith("kvpress") and
-                                 cfg.kvpress_chunks and m in _chunkable() else "one token per call"),
+                         "fed": (f"{cfg.interval or 64} tokens per call" if cfg.kvpress_chunks and m in CHUNKABLE
+                                 else "one token per call"),
                          "interval": cfg.interval or 64, **r, "per_trace": per_trace})
     return rows
-
-
-def _chunkable() -> frozenset[str]:
-    from .kvpress_fidelity import CHUNKABLE
-
-    return CHUNKABLE
 
 
 def _truncate(score, n: int):
@@ -524,7 +519,7 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
         short = {k: _replace(t, recall_ids=[], recall_target_ids=[]) for k, t in short.items()}
 
     from .fidelity import evaluate_batch
-    from .kvpress_fidelity import CHUNKABLE, evaluate_press_batch, make_press, press_batches
+    from .kvpress_fidelity import evaluate_press_batch, make_press, press_batches
 
     def batches(engine: str, budget: int | None) -> list[list[Trace]]:
         items = [short[t.id] if budget in cfg.short_budgets else t for t in traces]
