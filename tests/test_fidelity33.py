@@ -122,6 +122,22 @@ def test_plan_lists_every_cell(tiny_dir, questions, tmp_path, capsys):
     assert "estimated CPU time" in out
 
 
+def test_plan_prices_chunked_presses_at_their_own_cost(questions, tmp_path, capsys):
+    """kvpress's presses fed in chunks (kvpress_fidelity.CHUNKABLE) cost `kvpress_chunks_per_token`, the others
+    `kvpress_per_token`: 32 prompts x 1024 tokens x 3 budgets + 20 s."""
+    import re
+
+    est = tmp_path / "est.json"
+    est.write_text(json.dumps({"kvpress_per_token": 0.02, "kvpress_chunks_per_token": 0.005}))
+    assert fidelity33.main(["plan", "--root", str(tmp_path / "r"), "--keep", "", "--data", questions, "--python",
+                            sys.executable, "--estimate", str(est)]) == 0
+    out = capsys.readouterr().out
+    minutes = {m: float(re.search(rf"reported:kvpress:{re.escape(m)}\s+\S+\s+([\d.]+) min", out).group(1))
+               for m in ("knorm", "tova", "snapkv", "pyramidkv")}
+    assert minutes["knorm"] == minutes["tova"] == pytest.approx((32 * 1024 * 0.005 * 3 + 20) / 60, abs=0.06)
+    assert minutes["snapkv"] == minutes["pyramidkv"] == pytest.approx((32 * 1024 * 0.02 * 3 + 20) / 60, abs=0.06)
+
+
 def test_profiled_presets_run_in_the_bench(tiny_dir, questions, tmp_path, monkeypatch):
     """benchmarks/profiled.py: duo_attention and lukv from `kvcompose calibrate --target duo|lukv` files named by
     $KVCOMPOSE_DUO_PROFILE / $KVCOMPOSE_LUKV_CURVES, run as bench methods; without the file, a clear error."""
