@@ -582,8 +582,7 @@ def run_fidelity(cfg: FidelityConfig, log=print) -> dict[str, Any]:
                     chunked = cfg.kvpress_chunks and m in CHUNKABLE
                     press = make_press(m, b, interval=iv, seed=cfg.seed, chunked=chunked)
                     scores = evaluate_press_batch(model, group, press, [refs[t.id] for t in group],
-                                                  chunk=iv if chunked else 1,
-                                                  score_every=iv * max(1, 64 // iv) if chunked else 64)
+                                                  chunk=iv if chunked else 1)
                     _save_scores(cell, scores, (engine, m, b))
                 for t, sc in zip(group, scores):
                     sink.setdefault((m, b, t.kind), []).append(sc)
