@@ -275,16 +275,27 @@ def _point_ratio(a: dict, b: dict) -> float:
     return sum(ka[i] for i in ids) / max(sum(kb[i] for i in ids), 1e-300) if ids else float("inf")
 
 
+def keeps_every_token(name: str) -> bool:
+    """A kvcompose preset whose tier store lets no token leave for good (`memory_hierarchy` without an evict share:
+    its tiers keep every token and bring them back), so the budget does not bound what attention sees: listed in
+    the main table, not ranked against kvpress's eviction presses."""
+    from kvcompose import methods
+
+    make = methods.PRESETS.get(name)
+    return make is not None and not make().tier.evicts
+
+
 def leaders(rows, budgets) -> dict[str, Any]:
     """Per budget, every kvcompose pipeline's point ratio of mean KL to kvpress's best decode press on the prompts
     they share (the press giving the largest ratio: the strictest); and the pipeline whose worst ratio over
     `budgets` is lowest (only pipelines with a row at every budget, not the `kvpress-*` emulations of kvpress's
-    rule). `{"by_budget": {b: [(name, ratio, press),
+    rule). Pipelines that keep every token (`keeps_every_token`) are not ranked. `{"by_budget": {b: [(name, ratio, press),
     ...] best first}, "choice": name or None, "worst": {name: worst ratio}}`."""
     by_budget: dict[int, list] = {}
     for b in budgets:
         presses = [(m, r) for (e, m, bb), r in rows.items() if e == "kvpress" and bb == b and m != "snapkv(sorted)"]
-        mine = [(m, r) for (e, m, bb), r in rows.items() if e == "kvcompose" and bb == b and m != "full"]
+        mine = [(m, r) for (e, m, bb), r in rows.items() if e == "kvcompose" and bb == b and m != "full"
+                and not keeps_every_token(m)]
         if not presses:
             continue
         scored = []
