@@ -32,13 +32,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--interval", type=int, default=64)
     ap.add_argument("--presses", nargs="+", default=None, help="default: CHUNKABLE and snapkv")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--alone", action="store_true",
+                    help="also score each prompt alone, one token per call: how far kvpress's own protocol moves "
+                         "with the batch (the yardstick for the chunks' differences)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     a = ap.parse_args(argv)
 
     import torch
 
     from kvcompose.bench.common import load_model, versions
-    from kvcompose.bench.fidelity import hidden_references
+    from kvcompose.bench.fidelity import FidelityResult, hidden_references
     from kvcompose.bench.kvpress_fidelity import CHUNKABLE, evaluate_press_batch, make_press, press_batches
     from kvcompose.traces import Trace
 
@@ -63,17 +66,24 @@ def main(argv: list[str] | None = None) -> dict:
                 out[chunked] = (evaluate_press_batch(model, group, press, refs, chunk=a.interval if chunked else 1),
                                 time.perf_counter() - t0)
             (one, t1), (many, t2) = out[False], out[True]
-            kl = [sum(r.kl) / len(r.kl) for r in one]
-            dkl = max(abs(sum(x.kl) / len(x.kl) - sum(y.kl) / len(y.kl)) for x, y in zip(one, many))
-            dtop = max(abs(sum(x.top1) / len(x.top1) - sum(y.top1) / len(y.top1)) for x, y in zip(one, many))
+            per = [(FidelityResult([x]), FidelityResult([y])) for x, y in zip(one, many)]  # each prompt's means
+            kl = [x.kl_mean for x, _ in per]
+            dkl = max(abs(x.kl_mean - y.kl_mean) for x, y in per)
+            dtop = max(abs(x.top1 - y.top1) for x, y in per)
             row = {"press": name, "budget": b, "chunkable": name in CHUNKABLE, "prompts": len(group),
                    "tokens": a.tokens, "mean_kl": sum(kl) / len(kl), "max_trace_kl_diff": dkl,
                    "max_trace_kl_rel_diff": dkl / max(min(kl), 1e-12), "max_trace_top1_diff": dtop,
                    "seconds_one_token": t1, "seconds_chunks": t2, "cost_ratio": t2 / t1}
+            if a.alone:
+                alone = [FidelityResult(evaluate_press_batch(model, [t], make_press(name, b, interval=a.interval),
+                                                             [r])) for t, r in zip(group, refs)]
+                row["max_trace_kl_diff_alone"] = max(abs(x.kl_mean - y.kl_mean) for (x, _), y in zip(per, alone))
             rows.append(row)
             print(f"{name:20s} B={b:4d} {'chunkable' if row['chunkable'] else 'control  '} mean KL {row['mean_kl']:.5f}  "
                   f"max |dKL| per trace {dkl:.2e} ({row['max_trace_kl_rel_diff']:.1e} rel)  max |dtop1| {dtop:.5f}  "
-                  f"cost {t2:.1f} s / {t1:.1f} s = {t2 / t1:.2f}x", flush=True)
+                  f"cost {t2:.1f} s / {t1:.1f} s = {t2 / t1:.2f}x"
+                  + (f"  (one token per call, alone vs batched: {row['max_trace_kl_diff_alone']:.2e})" if a.alone else ""),
+                  flush=True)
     res = {"command": "python benchmarks/kvpress_chunk_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "load_start_end": [round(load0, 2), round(os.getloadavg()[0], 2)], "versions": versions(), "rows": rows}
     if a.out:
