@@ -24,6 +24,7 @@ Reads the rows (engine, method, budget, per-trace top-1 / KL) of every run folde
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -275,6 +276,7 @@ def _point_ratio(a: dict, b: dict) -> float:
     return sum(ka[i] for i in ids) / max(sum(kb[i] for i in ids), 1e-300) if ids else float("inf")
 
 
+@functools.lru_cache(maxsize=None)
 def keeps_every_token(name: str) -> bool:
     """A kvcompose preset whose tier store lets no token leave for good (`memory_hierarchy` without an evict share:
     its tiers keep every token and bring them back), so the budget does not bound what attention sees: listed in
