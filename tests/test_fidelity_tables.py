@@ -90,7 +90,8 @@ def test_leaders_choose_one_pipeline_for_every_budget(tmp_path):
         rows += [("kvcompose", "a", b, sc(a)), ("kvcompose", "b", b, sc(0.65)), (kvp, "snapkv", b, sc(1.0)),
                  (kvp, "tova", b, sc(1.3)), ("kvcompose", "h2o", b, sc(1.0)), ("kvcompose", "snapkv", b, sc(1.1)),
                  ("kvcompose", "h2o+snapkv", b, sc(0.8)), ("kvcompose", "kvpress-snapkv", b, sc(0.4)),
-                 ("kvcompose", "memory_hierarchy", b, sc(1e-5))]  # exact (its tiers keep every token): not ranked
+                 ("kvcompose", "memory_hierarchy", b, sc(1e-5)),  # exact (its tiers keep every token): not ranked
+                 ("kvcompose", "duo_attention", b, sc(0.3))]  # holds beyond the budget: not ranked
     run = _run(tmp_path / "r", rows)
     choice = tmp_path / "choice.json"
     assert fidelity_tables.main(["--runs", run, "--target", "b", "--out", str(tmp_path / "out"),
@@ -100,7 +101,8 @@ def test_leaders_choose_one_pipeline_for_every_budget(tmp_path):
     assert "B=128: kvpress-snapkv leads (0.40x snapkv)" in lead and "| 128 | a | 0.50" in lead  # listed, not chosen
     assert "B=512: kvpress-snapkv leads" in lead and "| 512 | b | 0.65" in lead
     assert "**b** (worst ratio 0.65x" in lead
-    assert "memory_hierarchy" not in lead and "memory_hierarchy" in (tmp_path / "out" / "main.md").read_text()
+    for unranked in ("memory_hierarchy", "duo_attention"):
+        assert unranked not in lead and unranked in (tmp_path / "out" / "main.md").read_text()
     target = (tmp_path / "out" / "target.md").read_text()
     assert "**yes**" in target and "at 3 of 3 budgets" in target
     comp = json.loads((tmp_path / "out" / "compositions.json").read_text())["rows"]
